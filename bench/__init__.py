@@ -1,0 +1,1 @@
+"""shmloader's benchmark harness: workloads x transports -> table, JSON, plots (python -m bench)."""

@@ -1,0 +1,281 @@
+"""``python -m bench``: how much faster is shmloader than what I have, and is my loader the
+bottleneck?
+
+With no flags it runs the project's main job: seed001 (the forum experiment, large items) at 0, 2,
+4 and 8 workers through torch as posted, torch with default_collate, and shmloader with both
+collates, and prints seconds per batch side by side with the work bound. Other workloads::
+
+    python -m bench --workload transport --sizes 1M,64M,256M --repeats 3
+    python -m bench --workload all           # every workload at its defaults (~10 min on 2 cores)
+    python -m bench --quick                  # CI: a little of everything, under a minute
+
+Transports run interleaved (A B C A B C ...) within each point, so drift hits all alike.
+Writes ``<out>/<name>.json`` and ``<out>/<name>-*.png`` (default ``bench/results/``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import shlex
+import sys
+import time
+
+from . import report, stats
+from .measure import MemWatch, run_once, seed_costs
+from .transports import all_transports, cores, shmloader_status
+from .workloads import (
+    DEFAULT_SIZES,
+    MiB,
+    WORKLOADS,
+    parse_size,
+    seed001_points,
+    small_points,
+    transport_points,
+    vision_points,
+)
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SEED_TRANSPORTS = ("torch-pickle", "torch-shm", "shmloader-np", "shmloader")
+OTHER_TRANSPORTS = ("torch-pickle", "torch-shm", "shmloader", "memcpy", "memcpy-*")
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def _names(text: str) -> list[str]:
+    return [x.strip() for x in text.split(",") if x.strip()]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="python -m bench",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=__doc__.split("\n\n", 1)[1],
+    )
+    ap.add_argument("--workload", "-w", default=None,
+                    help=f"comma list of {', '.join(WORKLOADS)}, or 'all' "
+                         "(default: the main job, seed001 large items)")
+    ap.add_argument("--sizes", default=None,
+                    help="transport batch sizes, e.g. 1M,16M,64M,256M (the default)")
+    ap.add_argument("--workers", default=None,
+                    help="num_workers list (default: seed001 0,2,4,6,8 [main job 0,2,4,8]; "
+                         "others: the machine's cores)")
+    ap.add_argument("--items", default=None, help="seed001 items: large,small (default both; "
+                    "main job large)")
+    ap.add_argument("--consumers", default="touch,read",
+                    help="transport/vision consumers: touch (one element per leaf), read (every "
+                         "byte) (default both)")
+    ap.add_argument("--transports", default=None,
+                    help="comma list of torch-pickle, torch-shm, shmloader, shmloader-np, memcpy, "
+                         "memcpy-Nc (default: all that apply)")
+    ap.add_argument("--repeats", type=int, default=None,
+                    help="runs per transport and point (default 3; main job 1)")
+    ap.add_argument("--batches", type=int, default=None, help="timed batches per run (override)")
+    ap.add_argument("--warmup", type=int, default=None, help="untimed batches first (override)")
+    ap.add_argument("--quick", action="store_true",
+                    help="a little of every workload, one repeat: under a minute (CI)")
+    ap.add_argument("--out", default=os.path.join(HERE, "results"), help="output folder")
+    ap.add_argument("--name", default=None, help="file prefix (default: main, quick or 'bench')")
+    ap.add_argument("--no-plots", action="store_true", help="write no PNGs")
+    ap.add_argument("--no-mem", action="store_true", help="do not sample memory")
+    ap.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    ap.add_argument("--replot", metavar="JSON", help="print and plot a saved result; run nothing")
+    return ap
+
+
+def plan(args) -> tuple[str, list, list[str]]:
+    """(name, points, transport names) for the parsed arguments."""
+    main_job = args.workload is None and not args.quick
+    if args.workload in (None, ""):
+        wls = ["seed001"] if main_job else list(WORKLOADS)
+    elif args.workload == "all":
+        wls = list(WORKLOADS)
+    else:
+        wls = _names(args.workload)
+        for w in wls:
+            if w not in WORKLOADS:
+                raise SystemExit(f"--workload: unknown workload {w!r} (choose from {WORKLOADS})")
+    consumers = _names(args.consumers)
+    for c in consumers:
+        if c not in ("touch", "read"):
+            raise SystemExit(f"--consumers: must be touch or read, got {c!r}")
+    ncores = cores()
+    q = args.quick
+    workers = _ints(args.workers) if args.workers else None
+    points = []
+    if "seed001" in wls:
+        items = _names(args.items) if args.items else (["large"] if main_job or q else
+                                                      ["large", "small"])
+        sw = workers or ([2] if q else [0, 2, 4, 8] if main_job else [0, 2, 4, 6, 8])
+        points += seed001_points(items, sw, batches=4 if q else 16, warmup=2 if q else 5)
+    w_other = workers or [ncores]
+    if "transport" in wls:
+        sizes = ([parse_size(s) for s in _names(args.sizes)] if args.sizes else
+                 [1 * MiB, 16 * MiB] if q else list(DEFAULT_SIZES))
+        points += transport_points(sizes, w_other, consumers, quick=q)
+    if "small" in wls:
+        points += small_points(w_other, quick=q)
+    if "vision" in wls:
+        points += vision_points(w_other, ["touch"] if q else consumers, quick=q)
+    if args.batches or args.warmup is not None:
+        import dataclasses
+
+        points = [dataclasses.replace(p, batches=args.batches or p.batches,
+                                      warmup=p.warmup if args.warmup is None else args.warmup)
+                  for p in points]
+    known = all_transports()
+    if args.transports:
+        names = _names(args.transports)
+        for n in names:
+            if n not in known and not (n == "memcpy-*"):
+                raise SystemExit(f"--transports: unknown {n!r} (choose from {', '.join(known)})")
+    else:
+        names = list(dict.fromkeys(SEED_TRANSPORTS + OTHER_TRANSPORTS))
+    names = [k for k in known if k in names or (k.startswith("memcpy-") and "memcpy-*" in names)]
+    name = args.name or ("main" if main_job else "quick" if q else "bench")
+    return name, points, names
+
+
+def transports_for(point, names: list[str], explicit: bool = False) -> list[str]:
+    """seed001 compares the four loaders (no memcpy: the work bound is its reference); the other
+    workloads leave out shmloader-np unless it was asked for by name."""
+    if point.workload == "seed001":
+        return [n for n in names if n in SEED_TRANSPORTS]
+    if explicit:
+        return names
+    return [n for n in names if n != "shmloader-np"]
+
+
+class Progress:
+    """A one-line progress bar on stderr (plain lines when stderr is not a terminal)."""
+
+    def __init__(self, total: int, enabled: bool = True):
+        self.total, self.done, self.t0 = total, 0, time.monotonic()
+        self.enabled = enabled
+        self.tty = sys.stderr.isatty()
+
+    def show(self, what: str) -> None:
+        if not self.enabled:
+            return
+        el = time.monotonic() - self.t0
+        eta = el / self.done * (self.total - self.done) if self.done else 0
+        w = 24
+        fill = int(w * self.done / max(1, self.total))
+        line = (f"[{'#' * fill}{'.' * (w - fill)}] {self.done}/{self.total} "
+                f"{el:4.0f}s eta {eta:3.0f}s  {what}")
+        if self.tty:
+            sys.stderr.write("\r\033[K" + line[:150])
+        else:
+            sys.stderr.write(line + "\n")
+        sys.stderr.flush()
+
+    def step(self, what: str) -> None:
+        self.done += 1
+        self.show(what)
+
+    def end(self) -> None:
+        if self.enabled and self.tty:
+            sys.stderr.write("\n")
+
+
+def run(args) -> dict:
+    name, points, names = plan(args)
+    repeats = args.repeats or (1 if (args.workload is None or args.quick) else 3)
+    ok, why = shmloader_status()
+    known = all_transports()
+    doc: dict = {
+        "schema": report.SCHEMA,
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": "python -m bench" + "".join(" " + shlex.quote(a) for a in sys.argv[1:]),
+        "machine": report.machine_info(),
+        "config": {"name": name, "repeats": repeats, "transports": names, "quick": args.quick},
+        "points": [],
+        "warnings": [] if ok else [f"shmloader not importable ({why}): its rows are skipped"],
+    }
+    seed_pts = [p for p in points if p.workload == "seed001"]
+    if seed_pts:
+        costs = {it: seed_costs(it, cores()) for it in sorted({p.label for p in seed_pts})}
+        doc["work_bound"] = {
+            "costs": costs,
+            "by_point": {
+                p.key: stats.seed_work_bound(p.num_workers, copies=0 if p.num_workers == 0 else 1,
+                                             **costs[p.label])
+                for p in seed_pts
+            },
+            "rule": "no workers: fetch + compute + step; w workers: max(step, (fetch + compute + "
+                    "copy) / w, (compute + copy) / min(w, cores))",
+        }
+    steps = sum(repeats * len(transports_for(p, names, bool(args.transports))) for p in points)
+    prog = Progress(steps, enabled=not args.no_progress)
+    with MemWatch(enabled=not args.no_mem) as watch:
+        for p in points:
+            pdoc = {
+                "key": p.key, "workload": p.workload, "label": p.label,
+                "batch_size": p.batch_size, "batch_bytes": p.batch_bytes,
+                "num_workers": p.num_workers, "consumer": p.consumer, "warmup": p.warmup,
+                "batches": p.batches, "params": p.params, "transports": {}, "ratios": {},
+            }
+            tnames = transports_for(p, names, bool(args.transports))
+            for tn in tnames:
+                pdoc["transports"][tn] = {"repeats": []}
+                if known[tn].loader == "shmloader" and not ok:
+                    pdoc["transports"][tn] = {"skipped": f"shmloader not importable: {why}"}
+            for r in range(repeats):
+                for tn in tnames:  # interleaved: A B C A B C ...
+                    tdoc = pdoc["transports"][tn]
+                    prog.show(f"{p.key} {tn} #{r + 1}")
+                    if "skipped" not in tdoc:
+                        try:
+                            res = run_once(known[tn], p, watch)
+                        except Exception as e:  # noqa: BLE001 - recorded, the run goes on
+                            tdoc.setdefault("errors", []).append(f"{type(e).__name__}: {e}")
+                            doc["warnings"].append(f"{p.key} {tn} run {r + 1}: {type(e).__name__}: {e}")
+                        else:
+                            if "ring" in res:
+                                tdoc["ring"] = res.pop("ring")
+                            for k in ("killed_workers", "leaked_shm"):
+                                if k in res:
+                                    doc["warnings"].append(f"{p.key} {tn} run {r + 1}: {k} {res[k]}")
+                            tdoc["repeats"].append(res)
+                    prog.step(f"{p.key} {tn} #{r + 1}")
+            for tn, tdoc in pdoc["transports"].items():
+                if "skipped" not in tdoc and not tdoc["repeats"]:
+                    pdoc["transports"][tn] = {"skipped": "; ".join(tdoc.get("errors", ["failed"]))}
+            doc["points"].append(report.point_summary(pdoc))
+    prog.end()
+    return doc
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.replot:
+        import json
+
+        with open(args.replot) as f:
+            doc = json.load(f)
+        report.validate(doc)
+        print(report.format_report(doc), end="")
+        if not args.no_plots:
+            out = os.path.dirname(os.path.abspath(args.replot))
+            prefix = os.path.splitext(os.path.basename(args.replot))[0]
+            for path in report.plot(doc, out, prefix):
+                print(f"wrote {path}")
+        return 0
+    doc = run(args)
+    print(report.format_report(doc), end="")
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, f"{doc['config']['name']}.json")
+    report.write_json(doc, path)
+    print(f"wrote {path}")
+    if not args.no_plots:
+        for p in report.plot(doc, args.out, doc["config"]["name"]):
+            print(f"wrote {p}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,289 @@
+"""Measuring one run: the clock, main-process CPU, time to first batch, peak memory, leftovers.
+
+One run = build the loader, iterate ``warmup + batches`` batches through the point's consumer,
+time the last ``batches`` of them (as the forum post does: wall time per iteration, the consumer's
+step included), then shut the workers down and check that nothing was left behind.
+
+- **s/batch**: wall time from the end of batch ``warmup - 1`` to the end of the last batch, over
+  ``batches``. The first ``warmup`` batches drain what was prefetched during start-up, so the
+  figure is the steady-state rate.
+- **main-process CPU per batch**: ``getrusage(RUSAGE_SELF)`` (all threads of the main process)
+  over the timed batches, minus the consumer's own CPU (``thread_time`` around it): what the
+  loader costs the training process.
+- **time to first batch**: from the loader's construction to the first batch in hand.
+- **peak memory**: from :mod:`bench.memwatch`, a separate process (so no thread lives in this one
+  while workers fork) sampling PSS of this process and its descendants plus ``/dev/shm``.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+
+import numpy as np
+import psutil
+import torch
+
+from .transports import Transport, close_loader, make_loader, ring_info, time_memcpy
+from .workloads import SEED_STEP_S, Point
+
+# ---------------------------------------------------------------------------------------------
+# consumers
+
+
+def leaves(obj):
+    """The array leaves (numpy arrays, torch tensors) of a nested batch."""
+    if isinstance(obj, (np.ndarray, torch.Tensor)):
+        yield obj
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from leaves(v)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from leaves(v)
+
+
+def _as_numpy(x) -> np.ndarray:
+    return x.numpy() if isinstance(x, torch.Tensor) else x
+
+
+def touch(batch) -> float:
+    """Read the first and the last element of every array leaf: proves the batch is there."""
+    acc = 0.0
+    for leaf in leaves(batch):
+        a = _as_numpy(leaf).reshape(-1)
+        if a.size:
+            acc += float(a[0]) + float(a[-1])
+    return acc
+
+
+def read_all(batch) -> int:
+    """Read every byte of every array leaf (a sum over 8-byte words where the size allows)."""
+    acc = 0
+    for leaf in leaves(batch):
+        a = np.ascontiguousarray(_as_numpy(leaf)).reshape(-1).view(np.uint8)
+        n8 = a.size // 8 * 8
+        if n8:
+            acc += int(a[:n8].view(np.uint64).sum(dtype=np.uint64))
+        if a.size - n8:
+            acc += int(a[n8:].sum())
+    return acc
+
+
+def step(batch) -> None:
+    """seed001's train step: ``sleep(0.05)``, the batch untouched (as posted)."""
+    time.sleep(SEED_STEP_S)
+
+
+CONSUMERS = {"touch": touch, "read": read_all, "step": step}
+
+# ---------------------------------------------------------------------------------------------
+# memory watcher
+
+
+class MemWatch:
+    """Talks to ``python -m bench.memwatch <this pid>`` over its stdin/stdout."""
+
+    def __init__(self, enabled: bool = True):
+        self.proc = None
+        if enabled:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "bench.memwatch", str(os.getpid())],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                text=True,
+                cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+            )
+
+    def _ask(self, cmd: str) -> dict:
+        assert self.proc is not None and self.proc.stdin and self.proc.stdout
+        self.proc.stdin.write(cmd + "\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"bench.memwatch (pid {self.proc.pid}) exited: {self.proc.poll()}")
+        return json.loads(line)
+
+    def start(self) -> None:
+        if self.proc:
+            self._ask("start")
+
+    def stop(self) -> dict:
+        return self._ask("stop") if self.proc else {}
+
+    def close(self) -> None:
+        if self.proc:
+            try:
+                self.proc.stdin.write("quit\n")  # type: ignore[union-attr]
+                self.proc.stdin.close()  # type: ignore[union-attr]
+            except OSError:
+                pass
+            try:
+                self.proc.wait(5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+            self.proc = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# leftovers
+
+
+def shm_entries() -> set[str]:
+    try:
+        return set(os.listdir("/dev/shm"))
+    except OSError:
+        return set()
+
+
+def reap_children(keep: set[int], timeout: float = 10.0) -> list[int]:
+    """Wait for the children this run started to exit; kill (by pid) any still there after
+    ``timeout``. Returns the pids that had to be killed: a loader that does not stop its workers."""
+    me = psutil.Process()
+    deadline = time.monotonic() + timeout
+    while True:
+        left = [c for c in me.children(recursive=True) if c.pid not in keep]
+        if not left:
+            return []
+        if time.monotonic() > deadline:
+            killed = []
+            for c in left:
+                try:
+                    c.kill()
+                    killed.append(c.pid)
+                except psutil.NoSuchProcess:
+                    pass
+            psutil.wait_procs(left, timeout=5)
+            return killed
+        time.sleep(0.05)
+
+
+# ---------------------------------------------------------------------------------------------
+# one run
+
+
+def _cpu_self() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def run_loader(t: Transport, p: Point, watch: MemWatch) -> dict:
+    """One timed run of loader transport ``t`` on point ``p``; returns the raw metrics."""
+    consume = CONSUMERS[p.consumer]
+    keep = {c.pid for c in psutil.Process().children(recursive=True)}
+    shm_before = shm_entries()
+    gc.collect()
+    watch.start()
+    total = p.warmup + p.batches
+    t0 = time.perf_counter()
+    loader = make_loader(t, p)
+    it = iter(loader)
+    n = 0
+    ttfb = ta = tb = None
+    cpu_a = cpu_b = cons_cpu = 0.0
+    ring = None
+    try:
+        for batch in it:
+            if n == 0:
+                ttfb = time.perf_counter() - t0
+                if t.loader == "shmloader":
+                    ring = ring_info(loader)
+            c0 = time.thread_time()
+            consume(batch)
+            if n >= p.warmup:
+                cons_cpu += time.thread_time() - c0
+            n += 1
+            if n == p.warmup:
+                ta, cpu_a = time.perf_counter(), _cpu_self()
+            if n == total:
+                tb, cpu_b = time.perf_counter(), _cpu_self()
+                break
+        del batch
+        if ring is not None:
+            ring = ring_info(loader) or ring  # after the run: the ring as it grew
+        mem = watch.stop()
+    finally:
+        close_loader(loader, it)
+        del it, loader
+        gc.collect()
+    killed = reap_children(keep)
+    leaked_shm = sorted(shm_entries() - shm_before)
+    if tb is None or ta is None:
+        raise RuntimeError(f"{t.name} on {p.key}: the loader ended after {n} of {total} batches")
+    s = (tb - ta) / p.batches
+    out = {
+        "s_per_batch": s,
+        "gbps": p.batch_bytes / s / 1e9,
+        "main_cpu_s_per_batch": max(0.0, (cpu_b - cpu_a - cons_cpu) / p.batches),
+        "ttfb_s": ttfb,
+        "peak_mem_bytes": mem.get("peak_mem_bytes"),
+        "peak_shm_bytes": mem.get("peak_shm_bytes"),
+        "max_procs": mem.get("max_procs"),
+    }
+    if ring is not None:
+        out["ring"] = ring
+    if killed:
+        out["killed_workers"] = killed
+    if leaked_shm:
+        out["leaked_shm"] = leaked_shm
+    return out
+
+
+def run_memcpy(t: Transport, p: Point) -> dict:
+    s = time_memcpy(p.batch_bytes, t.threads)
+    return {"s_per_batch": s, "gbps": p.batch_bytes / s / 1e9}
+
+
+def run_once(t: Transport, p: Point, watch: MemWatch) -> dict:
+    if t.is_loader:
+        return run_loader(t, p, watch)
+    return run_memcpy(t, p)
+
+
+def seed_costs(items: str = "large", cores: int = 1) -> dict:
+    """Measure seed001's per-batch work on this machine, for the work bound.
+
+    ``fetch_s``: 128 real ``sleep(0.003125)`` calls; ``compute_s``: 128 items of random numbers on
+    one core, the best of 4 (memory reused: the page faults of fresh memory are not work that the
+    experiment asks for); ``copy_s``: the best of 3 copies of the batch into memory already mapped.
+    """
+    from .workloads import SEED_BATCH, SEED_FETCH_S, SEED_SHAPES
+
+    shape = SEED_SHAPES[items]
+    t0 = time.perf_counter()
+    for _ in range(SEED_BATCH):
+        time.sleep(SEED_FETCH_S)
+    fetch = time.perf_counter() - t0
+    comp = []
+    for _ in range(4):
+        recs = None  # free the last batch first: a worker's memory is reused, not faulted anew
+        c0 = time.thread_time()
+        recs = [np.random.random(shape) for _ in range(SEED_BATCH)]
+        comp.append(time.thread_time() - c0)
+    out = np.empty((SEED_BATCH, *shape))
+    out.fill(0)
+    cp = []
+    for _ in range(3):
+        t1 = time.perf_counter()
+        np.stack(recs, out=out)
+        cp.append(time.perf_counter() - t1)
+    del recs, out
+    return {
+        "fetch_s": fetch,
+        "compute_s": min(comp),
+        "copy_s": min(cp),
+        "step_s": SEED_STEP_S,
+        "cores": cores,
+    }

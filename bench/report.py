@@ -1,0 +1,376 @@
+"""What a run leaves behind: the terminal tables, the JSON document, the PNG plots.
+
+The JSON document (``SCHEMA``) is the source of truth; the tables and the plots are drawn from it
+alone, so ``python -m bench --replot FILE.json`` redraws them without measuring again.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import socket
+import subprocess
+from collections.abc import Iterable
+
+from . import stats
+from .workloads import size_label
+
+SCHEMA = "shmloader-bench/1"
+LOADERS = ("torch-pickle", "torch-shm", "shmloader-np", "shmloader")
+REFERENCES = ("torch-shm", "torch-pickle", "memcpy")
+
+# ---------------------------------------------------------------------------------------------
+# the machine
+
+
+def machine_info() -> dict:
+    def first(path: str, key: str) -> str | None:
+        try:
+            with open(path) as f:
+                for line in f:
+                    if line.startswith(key):
+                        return line.split(":", 1)[1].strip()
+        except OSError:
+            pass
+        return None
+
+    import numpy
+    import torch
+
+    from .transports import cores, shmloader_status
+
+    try:
+        st = os.statvfs("/dev/shm")
+        shm_total = st.f_blocks * st.f_frsize
+    except OSError:
+        shm_total = None
+    mem_kb = first("/proc/meminfo", "MemTotal")
+    ok, ver = shmloader_status()
+    try:
+        here = os.path.dirname(os.path.abspath(__file__))
+        commit = subprocess.run(
+            ["git", "-C", here, "rev-parse", "--short", "HEAD"],
+            capture_output=True, text=True, timeout=5,
+        ).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        commit = None
+    return {
+        "hostname": socket.gethostname(),
+        "cpu": first("/proc/cpuinfo", "model name") or platform.processor(),
+        "cores": cores(),
+        "mem_bytes": int(mem_kb.split()[0]) * 1024 if mem_kb else None,
+        "shm_bytes": shm_total,
+        "kernel": platform.release(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "numpy": numpy.__version__,
+        "shmloader": ver if ok else None,
+        "git_commit": commit,
+    }
+
+
+def machine_line(m: dict) -> str:
+    gib = (m.get("mem_bytes") or 0) / (1 << 30)
+    return (
+        f"{m.get('cpu')}, {m.get('cores')} cores, {gib:.0f} GiB RAM "
+        f"(host {m.get('hostname')}, Linux {m.get('kernel')}, Python {m.get('python')}, "
+        f"torch {m.get('torch')}, shmloader {m.get('shmloader')})"
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# the document
+
+
+def point_summary(point_doc: dict) -> dict:
+    """Fill in ``summary`` per transport and ``ratios`` for one point (in place; returns it)."""
+    med = {}
+    for name, tdoc in point_doc["transports"].items():
+        tdoc["summary"] = stats.summarize_repeats(tdoc.get("repeats", []))
+        s = tdoc["summary"].get("s_per_batch")
+        med[name] = s["median"] if s else None
+    point_doc["ratios"] = {
+        t: r for t, r in stats.ratios(med, REFERENCES).items() if not t.startswith("memcpy")
+    }
+    return point_doc
+
+
+_POINT_KEYS = {
+    "key": str, "workload": str, "label": str, "batch_size": int, "batch_bytes": int,
+    "num_workers": int, "consumer": str, "warmup": int, "batches": int, "transports": dict,
+    "ratios": dict,
+}
+
+
+def validate(doc: dict) -> None:
+    """Raise ``ValueError`` naming the first thing in ``doc`` that breaks the schema."""
+    def need(cond: bool, what: str) -> None:
+        if not cond:
+            raise ValueError(f"bench result does not follow {SCHEMA}: {what}")
+
+    need(isinstance(doc, dict), "top level is not an object")
+    need(doc.get("schema") == SCHEMA, f"schema is {doc.get('schema')!r}")
+    for k in ("created", "command", "machine", "config", "points"):
+        need(k in doc, f"missing {k!r}")
+    need(isinstance(doc["points"], list), "'points' is not a list")
+    for i, p in enumerate(doc["points"]):
+        for k, typ in _POINT_KEYS.items():
+            need(isinstance(p.get(k), typ), f"points[{i}].{k} is {p.get(k)!r}, expected {typ.__name__}")
+        for name, t in p["transports"].items():
+            where = f"points[{i}].transports[{name!r}]"
+            if "skipped" in t:
+                need(isinstance(t["skipped"], str), f"{where}.skipped is not a string")
+                continue
+            need(isinstance(t.get("repeats"), list) and t["repeats"], f"{where}.repeats is empty")
+            for j, r in enumerate(t["repeats"]):
+                need(
+                    isinstance(r.get("s_per_batch"), (int, float)) and r["s_per_batch"] > 0,
+                    f"{where}.repeats[{j}].s_per_batch is {r.get('s_per_batch')!r}",
+                )
+            summ = t.get("summary", {})
+            for m, s in summ.items():
+                need(m in stats.METRICS, f"{where}.summary has unknown metric {m!r}")
+                need(s["min"] <= s["median"] <= s["max"], f"{where}.summary[{m!r}] out of order")
+
+
+def write_json(doc: dict, path: str) -> None:
+    validate(doc)
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(doc, f, indent=1, sort_keys=False)
+        f.write("\n")
+    os.replace(tmp, path)
+
+
+# ---------------------------------------------------------------------------------------------
+# tables
+
+
+def _fmt_s(s: dict | None, scale: float = 1.0, digits: int = 4) -> str:
+    if not s:
+        return "-"
+    return f"{s['median'] * scale:.{digits}g}"
+
+
+def _fmt_range(s: dict | None, scale: float = 1.0) -> str:
+    if not s or s.get("n", 1) < 2:
+        return ""
+    return f"[{s['min'] * scale:.3g}-{s['max'] * scale:.3g}]"
+
+
+def _fmt_ratio(x: float | None, pct: bool = False) -> str:
+    if x is None:
+        return "-"
+    return f"{100 * x:.0f}%" if pct else f"{x:.2f}x"
+
+
+def _table(rows: list[list[str]], header: list[str]) -> str:
+    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
+    lines = ["  ".join(str(c).rjust(w) if j else str(c).ljust(w) for j, (c, w) in
+                       enumerate(zip(r, widths))) for r in [header, *rows]]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def point_table(points: Iterable[dict]) -> str:
+    """One row per (point, transport): medians [min-max], and the ratios to the references."""
+    header = ["point", "transport", "s/batch", "[min-max]", "GB/s", "CPU ms/b", "TTFB s",
+              "mem MiB", "ring MiB", "vs torch-shm", "vs torch-pickle", "of memcpy"]
+    rows = []
+    for p in points:
+        name = f"{p['label']} w{p['num_workers']} {p['consumer']}"
+        for tname, t in p["transports"].items():
+            if "skipped" in t:
+                rows.append([name, tname, "skipped", t["skipped"][:40], *[""] * 8])
+                continue
+            s = t["summary"]
+            r = p["ratios"].get(tname, {})
+            ring = t.get("ring") or {}
+            rb = ring.get("ring_bytes")
+            rows.append([
+                name, tname,
+                _fmt_s(s.get("s_per_batch")), _fmt_range(s.get("s_per_batch")),
+                _fmt_s(s.get("gbps"), digits=3),
+                _fmt_s(s.get("main_cpu_s_per_batch"), 1e3, 3),
+                _fmt_s(s.get("ttfb_s"), digits=3),
+                _fmt_s(s.get("peak_mem_bytes"), 1 / (1 << 20), 4),
+                f"{rb / (1 << 20):.0f} ({ring.get('ring_slots')}x)" if rb else "",
+                _fmt_ratio(r.get("torch-shm")), _fmt_ratio(r.get("torch-pickle")),
+                _fmt_ratio(r.get("memcpy"), pct=True),
+            ])
+            name = ""
+    return _table(rows, header)
+
+
+def seed_table(doc: dict, items: str = "large") -> str:
+    """seed001 side by side: s/batch per num_workers for each transport, the work bound, ratios."""
+    pts = [p for p in doc["points"] if p["workload"] == "seed001" and p["label"] == items]
+    if not pts:
+        return ""
+    bounds = doc.get("work_bound", {}).get("by_point", {})
+    cols = [t for t in LOADERS if any(t in p["transports"] for p in pts)]
+    titles = {
+        "torch-pickle": "torch posted", "torch-shm": "torch default_collate",
+        "shmloader-np": "shmloader posted", "shmloader": "shmloader default_collate",
+    }
+    header = ["workers", *[titles[c] for c in cols], "work bound",
+              "posted: torch/shm", "default: torch/shm", "shmloader/bound"]
+    rows = []
+    for p in sorted(pts, key=lambda p: p["num_workers"]):
+        med = {}
+        for c in cols:
+            t = p["transports"].get(c, {})
+            s = t.get("summary", {}).get("s_per_batch")
+            med[c] = s["median"] if s else None
+        bound = bounds.get(p["key"])
+        best = min((med[c] for c in ("shmloader", "shmloader-np") if med.get(c)), default=None)
+        rows.append([
+            str(p["num_workers"]),
+            *[f"{med[c]:.3f}" if med[c] else "-" for c in cols],
+            f"{bound:.3f}" if bound else "-",
+            _fmt_ratio(stats.speedup(med.get("torch-pickle"), med.get("shmloader-np"))),
+            _fmt_ratio(stats.speedup(med.get("torch-shm"), med.get("shmloader"))),
+            _fmt_ratio(best / bound if best and bound else None),
+        ])
+    title = (f"seed001 ({items} items, batch 128, 0.05 s step): seconds per batch, "
+             f"median of {doc['config'].get('repeats', 1)} run(s)")
+    return title + "\n" + _table(rows, header)
+
+
+def format_report(doc: dict) -> str:
+    out = [f"machine: {machine_line(doc['machine'])}", f"command: {doc['command']}", ""]
+    for items in ("large", "small"):
+        t = seed_table(doc, items)
+        if t:
+            out += [t, ""]
+    wl_order = ("seed001", "transport", "small", "vision")
+    for wl in wl_order:
+        pts = [p for p in doc["points"] if p["workload"] == wl]
+        if not pts:
+            continue
+        out.append(f"{wl}: medians over repeats; 'vs X' = X's s/batch / this one's "
+                   f"(>1 = faster); 'of memcpy' = share of one-core memcpy bandwidth")
+        out += [point_table(pts), ""]
+    rings = ring_lines(doc)
+    if rings:
+        out += ["shmloader ring (size /dev/shm for it):", *rings, ""]
+    for w in doc.get("warnings", []):
+        out.append(f"WARNING: {w}")
+    return "\n".join(out).rstrip() + "\n"
+
+
+def ring_lines(doc: dict) -> list[str]:
+    out = []
+    for p in doc["points"]:
+        for tname, t in p["transports"].items():
+            ring = t.get("ring") or {}
+            if ring.get("ring_bytes"):
+                out.append(
+                    f"  {p['key']} {tname}: {ring['ring_slots']} slots x "
+                    f"{ring['slot_bytes'] / (1 << 20):.1f} MiB = {ring['ring_bytes'] / (1 << 20):.0f} MiB"
+                )
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# plots
+
+COLORS = {
+    "torch-pickle": "tab:red", "torch-shm": "tab:orange", "shmloader": "tab:blue",
+    "shmloader-np": "tab:cyan", "memcpy": "black",
+}
+
+
+def _series(points: list[dict], metric: str, x_of) -> dict[str, list[tuple]]:
+    out: dict[str, list[tuple]] = {}
+    for p in points:
+        for tname, t in p["transports"].items():
+            s = t.get("summary", {}).get(metric)
+            if s:
+                out.setdefault(tname, []).append((x_of(p), s["median"], s["min"], s["max"]))
+    return {k: sorted(v) for k, v in out.items()}
+
+
+def _draw(ax, series: dict, scale: float = 1.0) -> None:
+    for tname, pts in series.items():
+        xs = [p[0] for p in pts]
+        ys = [p[1] * scale for p in pts]
+        err = [[(p[1] - p[2]) * scale for p in pts], [(p[3] - p[1]) * scale for p in pts]]
+        style = "--" if tname.startswith("memcpy") else "-"
+        ax.errorbar(xs, ys, yerr=err, marker="o", ms=4, ls=style, capsize=3,
+                    color=COLORS.get(tname), label=tname)
+
+
+def plot(doc: dict, outdir: str, prefix: str) -> list[str]:
+    """Draw the PNGs this document has data for; returns their paths."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    made = []
+    machine = f"{doc['machine'].get('cpu')}, {doc['machine'].get('cores')} cores"
+    tp = [p for p in doc["points"] if p["workload"] == "transport"]
+    consumers = sorted({p["consumer"] for p in tp})
+
+    def size_axis(ax):
+        ax.set_xscale("log", base=2)
+        xs = sorted({p["batch_bytes"] for p in tp})
+        ax.set_xticks(xs, [size_label(x) for x in xs])
+        ax.set_xlabel("batch size")
+        ax.grid(True, which="both", alpha=0.3)
+
+    for metric, fname, ylabel, scale, logy in (
+        ("gbps", "gbps", "GB/s delivered to the main process", 1.0, True),
+        ("main_cpu_s_per_batch", "cpu", "main-process CPU per batch (ms)", 1e3, True),
+    ):
+        if not tp:
+            break
+        fig, axes = plt.subplots(1, len(consumers), figsize=(6 * len(consumers), 4.5), squeeze=False)
+        for ax, c in zip(axes[0], consumers):
+            pts = [p for p in tp if p["consumer"] == c]
+            series = _series(pts, metric, lambda p: p["batch_bytes"])
+            if metric != "gbps":
+                series = {k: v for k, v in series.items() if not k.startswith("memcpy")}
+            _draw(ax, series, scale)
+            size_axis(ax)
+            if logy:
+                ax.set_yscale("log")
+            ax.set_ylabel(ylabel)
+            ax.set_title(f"transport, consumer={c}, {pts[0]['num_workers']} workers")
+            ax.legend(fontsize=8)
+        fig.suptitle(machine, fontsize=9)
+        fig.tight_layout()
+        path = os.path.join(outdir, f"{prefix}-{fname}.png")
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        made.append(path)
+
+    sp = [p for p in doc["points"] if p["workload"] == "seed001"]
+    items = sorted({p["label"] for p in sp})
+    if sp:
+        bounds = doc.get("work_bound", {}).get("by_point", {})
+        fig, axes = plt.subplots(1, len(items), figsize=(6.5 * len(items), 4.5), squeeze=False)
+        for ax, it in zip(axes[0], items):
+            pts = [p for p in sp if p["label"] == it]
+            series = _series(pts, "s_per_batch", lambda p: p["num_workers"])
+            series = {k: v for k, v in series.items() if not k.startswith("memcpy")}
+            _draw(ax, series)
+            bx = sorted((p["num_workers"], bounds[p["key"]]) for p in pts if p["key"] in bounds)
+            if bx:
+                ax.plot([b[0] for b in bx], [b[1] for b in bx], "k:", marker="x",
+                        label="work bound")
+            ax.set_xlabel("num_workers")
+            ax.set_ylabel("seconds per batch (0.05 s step included)")
+            ax.set_title(f"seed001, {it} items, batch 128")
+            ax.set_ylim(bottom=0)
+            ax.grid(True, alpha=0.3)
+            ax.legend(fontsize=8)
+        fig.suptitle(machine, fontsize=9)
+        fig.tight_layout()
+        path = os.path.join(outdir, f"{prefix}-seed001.png")
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        made.append(path)
+    return made

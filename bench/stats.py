@@ -1,0 +1,99 @@
+"""The arithmetic: median/min/max over repeats, ratios between transports, and the work bound.
+
+Kept free of I/O and of torch so that it is unit-tested on its own (tests/test_bench.py).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+
+# The metrics recorded for every (point, transport, repeat), and which way is better.
+METRICS = {
+    "s_per_batch": "lower",
+    "gbps": "higher",  # GB/s (1e9 bytes) of array data delivered to the main process
+    "main_cpu_s_per_batch": "lower",  # main-process CPU per batch, the consumer's own CPU excluded
+    "ttfb_s": "lower",  # loader construction -> first batch in hand
+    "peak_mem_bytes": "lower",  # PSS of main + workers (shm excluded) + /dev/shm used, minus baseline
+    "peak_shm_bytes": "lower",  # /dev/shm in use, minus baseline
+}
+
+
+def median(values: Iterable[float]) -> float:
+    v = sorted(float(x) for x in values)
+    if not v:
+        raise ValueError("median of no values")
+    n = len(v)
+    mid = n // 2
+    return v[mid] if n % 2 else (v[mid - 1] + v[mid]) / 2.0
+
+
+def summarize(values: Iterable[float | None]) -> dict | None:
+    """``{"median", "min", "max", "n"}`` over the values that were measured (None is skipped)."""
+    v = [float(x) for x in values if x is not None and not math.isnan(float(x))]
+    if not v:
+        return None
+    return {"median": median(v), "min": min(v), "max": max(v), "n": len(v)}
+
+
+def summarize_repeats(repeats: list[Mapping]) -> dict:
+    """Per metric, the summary over repeats (metrics missing from every repeat are left out)."""
+    out = {}
+    for m in METRICS:
+        s = summarize(r.get(m) for r in repeats)
+        if s is not None:
+            out[m] = s
+    return out
+
+
+def speedup(reference_s: float | None, this_s: float | None) -> float | None:
+    """How many times faster ``this`` is than ``reference`` (seconds per batch, both): ref / this.
+
+    > 1 means faster than the reference. Against ``memcpy`` it is the fraction of the memcpy
+    bandwidth that is delivered (memcpy is the faster one, so it is <= 1 for a transport).
+    """
+    if reference_s is None or this_s is None or this_s <= 0 or reference_s <= 0:
+        return None
+    return reference_s / this_s
+
+
+def gbps(nbytes: int, seconds: float | None) -> float | None:
+    if seconds is None or seconds <= 0:
+        return None
+    return nbytes / seconds / 1e9
+
+
+def ratios(medians: Mapping[str, float | None], references=("torch-shm", "torch-pickle", "memcpy")):
+    """For each transport, its speed-up over each reference from the medians of s/batch."""
+    return {
+        t: {ref: speedup(medians.get(ref), s) for ref in references if ref != t}
+        for t, s in medians.items()
+    }
+
+
+def seed_work_bound(
+    num_workers: int,
+    *,
+    fetch_s: float,
+    compute_s: float,
+    copy_s: float,
+    step_s: float,
+    cores: int,
+    copies: int = 1,
+) -> float:
+    """Seconds per batch that no transport can beat for seed001.
+
+    Per batch: ``fetch_s`` of sleeping (128 x 3.125 ms and the sleeps' own overhead; it needs no
+    core), ``compute_s`` of one core making the random numbers, ``copies`` copies of the batch's
+    bytes (``copy_s`` each, one core, into memory already mapped), and the ``step_s`` train step in
+    the main process (a sleep, overlapping the workers).
+
+    - no workers: everything runs one after the other in the main process;
+    - ``w`` workers: each worker makes its batch alone (sleep, then compute and copy), ``w`` at a
+      time: ``(fetch + cpu) / w``; the CPU work of all workers shares ``min(w, cores)`` cores:
+      ``cpu / min(w, cores)``; and the step cannot go faster than ``step_s``.
+    """
+    cpu = compute_s + copies * copy_s
+    if num_workers == 0:
+        return fetch_s + cpu + step_s
+    return max(step_s, (fetch_s + cpu) / num_workers, cpu / min(num_workers, cores))

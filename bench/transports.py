@@ -1,0 +1,146 @@
+"""How batches move: the transports compared, behind one interface.
+
+=================  ===========================================================================
+``torch-pickle``   torch's DataLoader, the workload's numpy collate: batches are numpy, pickled
+                   through the result pipe (the forum post's case).
+``torch-shm``      torch's DataLoader, ``default_collate``: each batch is stacked into a fresh
+                   torch shared-memory segment whose fd is passed to the main process.
+``shmloader``      ``shmloader.ShmDataLoader``, ``default_collate``: collated into a ring slot.
+``shmloader-np``   ``shmloader.ShmDataLoader`` with the workload's numpy collate (for seed001 the
+                   posted ``collate_fn``: the list of records comes back as numpy views).
+``memcpy``         no loader: one copy of the batch's bytes between two preallocated buffers in
+                   one process, on one core: the copy that no transport can avoid.
+``memcpy-Nc``      the same copy split over N threads (N = the machine's cores).
+=================  ===========================================================================
+
+A loader transport builds its loader from a :class:`~bench.workloads.Point`; ``memcpy`` is timed
+by :func:`time_memcpy` instead.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import numpy as np
+import torch.utils.data
+
+from .workloads import Point
+
+
+@dataclass(frozen=True)
+class Transport:
+    name: str
+    loader: str  # "torch" | "shmloader" | "memcpy"
+    collate: str = "default"  # "numpy" | "default"
+    threads: int = 1  # memcpy only
+
+    @property
+    def is_loader(self) -> bool:
+        return self.loader != "memcpy"
+
+
+def cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - not Linux
+        return os.cpu_count() or 1
+
+
+def all_transports() -> dict[str, Transport]:
+    n = cores()
+    out = {
+        "torch-pickle": Transport("torch-pickle", "torch", "numpy"),
+        "torch-shm": Transport("torch-shm", "torch", "default"),
+        "shmloader": Transport("shmloader", "shmloader", "default"),
+        "shmloader-np": Transport("shmloader-np", "shmloader", "numpy"),
+        "memcpy": Transport("memcpy", "memcpy", threads=1),
+    }
+    if n > 1:
+        out[f"memcpy-{n}c"] = Transport(f"memcpy-{n}c", "memcpy", threads=n)
+    return out
+
+
+def shmloader_status() -> tuple[bool, str]:
+    """Whether ``shmloader.ShmDataLoader`` can be used, and why not."""
+    try:
+        import shmloader
+
+        shmloader.ShmDataLoader  # noqa: B018
+    except Exception as e:  # noqa: BLE001 - any import failure makes it unavailable
+        return False, f"{type(e).__name__}: {e}"
+    return True, getattr(shmloader, "__version__", "?")
+
+
+def make_loader(t: Transport, p: Point):
+    """The loader of transport ``t`` for point ``p`` (same dataset, batch size and workers)."""
+    kw = p.loader_kwargs()
+    kw["collate_fn"] = p.collate(t.collate)
+    ds = p.dataset()
+    if t.loader == "torch":
+        return torch.utils.data.DataLoader(ds, **kw)
+    if t.loader == "shmloader":
+        from shmloader import ShmDataLoader
+
+        return ShmDataLoader(ds, **kw)
+    raise ValueError(f"{t.name} is not a loader transport")
+
+
+def close_loader(loader, iterator) -> None:
+    """Stop the workers now rather than when the garbage collector gets to them."""
+    close = getattr(loader, "close", None)
+    if callable(close):
+        close()
+    for it in (iterator, getattr(loader, "_iterator", None)):
+        shutdown = getattr(it, "_shutdown_workers", None)
+        if callable(shutdown):
+            shutdown()
+
+
+def ring_info(loader) -> dict | None:
+    """``ring_slots``, ``slot_bytes``, ``ring_bytes`` from ``loader.stats()`` (shmloader only)."""
+    stats = getattr(loader, "stats", None)
+    if not callable(stats):
+        return None
+    try:
+        s = stats()
+    except Exception as e:  # noqa: BLE001 - reported, not fatal
+        return {"error": f"{type(e).__name__}: {e}"}
+    out = {}
+    for k in ("ring_slots", "slot_bytes", "ring_bytes"):
+        out[k] = getattr(s, k, None) if not isinstance(s, dict) else s.get(k)
+    return out
+
+
+def time_memcpy(nbytes: int, threads: int, min_seconds: float = 0.1, min_reps: int = 3) -> float:
+    """Median seconds for one copy of ``nbytes`` between preallocated, already-faulted buffers,
+    on one core or split over ``threads`` threads of a pool started beforehand."""
+    src = np.ones(nbytes, np.uint8)
+    dst = np.zeros(nbytes, np.uint8)
+    bounds = np.linspace(0, nbytes, threads + 1).astype(np.int64) // 64 * 64
+    bounds[-1] = nbytes
+    parts = [(dst[bounds[i] : bounds[i + 1]], src[bounds[i] : bounds[i + 1]]) for i in range(threads)]
+    pool = ThreadPoolExecutor(threads) if threads > 1 else None
+    try:
+
+        def once() -> None:
+            if pool is None:
+                np.copyto(dst, src)
+            else:
+                for f in [pool.submit(np.copyto, d, s) for d, s in parts]:
+                    f.result()
+
+        once()  # warm: caches, page tables, threads
+        times = []
+        t_end = time.perf_counter() + min_seconds
+        while len(times) < min_reps or (time.perf_counter() < t_end and len(times) < 1000):
+            t0 = time.perf_counter()
+            once()
+            times.append(time.perf_counter() - t0)
+    finally:
+        if pool is not None:
+            pool.shutdown()
+    times.sort()
+    return times[len(times) // 2]

@@ -1,0 +1,244 @@
+"""What is loaded: the datasets, their collate functions, and the points each workload expands to.
+
+A *point* is one configuration that every transport runs in turn (dataset, batch size, workers,
+consumer, how many batches to time). The datasets are module-level classes so that they pickle
+(spawn/forkserver) and so that the same objects feed torch's DataLoader and ShmDataLoader.
+
+Workloads
+---------
+``seed001``    the experiment of ``seeds/001_a569dd7e840eb412.txt`` as posted: an IterableDataset
+               whose items are ``np.random.random((1000, 150))`` (large) or ``(10, 150)`` (small)
+               after a 3.125 ms sleep, batch 128, ``collate_fn`` returning the list of records, a
+               0.05 s train step, ``prefetch_factor=4, persistent_workers=True``.
+``transport``  pre-made samples (no compute in ``__getitem__``), 16 samples per batch, batches of
+               1 MiB .. 256 MiB; the consumer only touches the batch, or reads every byte.
+``small``      4 KiB batches (32 samples of 128 B): the control path dominates.
+``vision``     dict samples ``{"image": uint8 (3,224,224), "label": int, "name": str}``, batch 64.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+from torch.utils.data import Dataset, IterableDataset, default_collate
+
+MiB = 1 << 20
+
+# ---------------------------------------------------------------------------------------------
+# seed001, as posted (the forum code, with its lost lines restored)
+
+SEED_FETCH_S = 0.003125  # "it takes 0.003125 s to fetch an item from a source database"
+SEED_STEP_S = 0.05  # "the train step takes 0.05 s"
+SEED_BATCH = 128
+SEED_SHAPES = {"large": (1000, 150), "small": (10, 150)}
+
+
+def collate_fn(records):
+    # some custom collation function
+    return records
+
+
+class MyIterable:
+    def __init__(self, n, shape=SEED_SHAPES["large"]):
+        self.n = n
+        self.i = 0
+        self.shape = shape
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if self.i < self.n:
+            self.i += 1
+            time.sleep(SEED_FETCH_S)  # simulates data fetch time
+            return np.random.random(self.shape)
+        raise StopIteration
+
+
+class MyIterableDataset(IterableDataset):
+    def __init__(self, n, shape=SEED_SHAPES["large"]):
+        self.n = n
+        self.shape = shape
+
+    def __iter__(self):
+        return MyIterable(self.n, self.shape)
+
+
+# ---------------------------------------------------------------------------------------------
+# transport / small: pre-made samples
+
+
+class PremadeDataset(Dataset):
+    """``length`` samples that are all the same pre-made float32 array of ``sample_bytes``."""
+
+    def __init__(self, sample_bytes: int, length: int):
+        if sample_bytes % 4:
+            raise ValueError(f"sample_bytes must be a multiple of 4, got {sample_bytes}")
+        self.sample = np.arange(sample_bytes // 4, dtype=np.float32)
+        self.length = length
+
+    def __len__(self):
+        return self.length
+
+    def __getitem__(self, i):
+        return self.sample
+
+
+def stack_collate(samples):
+    """The numpy collate a user writes when batches should stay numpy (pickled by torch)."""
+    return np.stack(samples)
+
+
+# ---------------------------------------------------------------------------------------------
+# vision: dict samples
+
+IMAGE_SHAPE = (3, 224, 224)
+
+
+class VisionDataset(Dataset):
+    def __init__(self, length: int):
+        self.image = (np.arange(np.prod(IMAGE_SHAPE)) % 251).astype(np.uint8).reshape(IMAGE_SHAPE)
+        self.length = length
+
+    def __len__(self):
+        return self.length
+
+    def __getitem__(self, i):
+        return {"image": self.image, "label": i % 1000, "name": f"img_{i:08d}.jpg"}
+
+
+def vision_numpy_collate(samples):
+    return {
+        "image": np.stack([s["image"] for s in samples]),
+        "label": np.array([s["label"] for s in samples], dtype=np.int64),
+        "name": [s["name"] for s in samples],
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# points
+
+
+@dataclass(frozen=True)
+class Point:
+    """One configuration that every transport runs in turn."""
+
+    workload: str
+    label: str  # short, unique within the workload: "64MiB", "large", ...
+    batch_size: int
+    batch_bytes: int  # bytes of array data per batch
+    num_workers: int
+    consumer: str  # "touch" | "read" | "step"
+    warmup: int  # batches consumed before the clock starts (drains the prefetched ones)
+    batches: int  # batches timed
+    params: dict = field(default_factory=dict, compare=False, hash=False)
+
+    @property
+    def key(self) -> str:
+        return f"{self.workload}/{self.label}/w{self.num_workers}/{self.consumer}"
+
+    def dataset(self):
+        if self.workload == "seed001":
+            return MyIterableDataset(n=10000, shape=SEED_SHAPES[self.params["items"]])
+        n = (self.warmup + self.batches) * self.batch_size
+        if self.workload in ("transport", "small"):
+            return PremadeDataset(self.batch_bytes // self.batch_size, n)
+        if self.workload == "vision":
+            return VisionDataset(n)
+        raise ValueError(f"unknown workload {self.workload!r}")
+
+    def collate(self, kind: str):
+        """``kind`` is "numpy" (the workload's own numpy collate) or "default" (default_collate)."""
+        if kind == "default":
+            return default_collate
+        if kind != "numpy":
+            raise ValueError(f"collate kind must be 'numpy' or 'default', got {kind!r}")
+        return {
+            "seed001": collate_fn,
+            "transport": stack_collate,
+            "small": stack_collate,
+            "vision": vision_numpy_collate,
+        }[self.workload]
+
+    def loader_kwargs(self) -> dict:
+        kw: dict = {"batch_size": self.batch_size, "num_workers": self.num_workers}
+        if self.workload == "seed001" and self.num_workers > 0:
+            kw.update(prefetch_factor=4, persistent_workers=True)
+        return kw
+
+    @property
+    def prefetched(self) -> int:
+        """Batches a loader may have ready before the first one is consumed."""
+        pf = self.loader_kwargs().get("prefetch_factor", 2)
+        return self.num_workers * pf
+
+
+def parse_size(text: str) -> int:
+    """``"64MiB"``, ``"64M"``, ``"4KiB"``, ``"4k"``, ``"1048576"`` -> bytes."""
+    t = text.strip().lower().removesuffix("ib").removesuffix("b")
+    mult = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
+    if t and t[-1] in mult:
+        return int(float(t[:-1]) * mult[t[-1]])
+    return int(t)
+
+
+def size_label(n: int) -> str:
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if n >= 1 << shift and n % (1 << shift) == 0:
+            return f"{n >> shift}{unit}"
+    return f"{n}B"
+
+
+def _timed_batches(batch_bytes: int, quick: bool) -> int:
+    """Enough batches that a run takes long enough to time, few enough that 256 MiB stays short."""
+    budget = (128 if quick else 1536) * MiB
+    return int(min(200 if not quick else 40, max(6 if quick else 8, budget // batch_bytes)))
+
+
+def seed001_points(items=("large",), workers=(0, 2, 4, 6, 8), batches=16, warmup=5):
+    out = []
+    for it in items:
+        shape = SEED_SHAPES[it]
+        nbytes = SEED_BATCH * int(np.prod(shape)) * 8
+        for w in workers:
+            out.append(
+                Point("seed001", it, SEED_BATCH, nbytes, w, "step", warmup, batches, {"items": it})
+            )
+    return out
+
+
+def transport_points(sizes, workers=(2,), consumers=("touch", "read"), quick=False):
+    out = []
+    for size in sizes:
+        if size % (16 * 4):
+            raise ValueError(f"transport batch size must be a multiple of 64 bytes, got {size}")
+        for w in workers:
+            warmup = max(2, 2 * w + 1)
+            for c in consumers:
+                out.append(
+                    Point("transport", size_label(size), 16, size, w, c, warmup,
+                          _timed_batches(size, quick), {"samples_per_batch": 16})
+                )
+    return out
+
+
+def small_points(workers=(2,), quick=False):
+    return [
+        Point("small", "4KiB", 32, 4096, w, "touch", 50, 300 if quick else 2000, {})
+        for w in workers
+    ]
+
+
+def vision_points(workers=(2,), consumers=("touch", "read"), quick=False):
+    nbytes = 64 * int(np.prod(IMAGE_SHAPE)) + 64 * 8  # images + int64 labels
+    return [
+        Point("vision", "b64", 64, nbytes, w, c, max(2, 2 * w + 1), 20 if quick else 150, {})
+        for w in workers
+        for c in consumers
+    ]
+
+
+WORKLOADS = ("seed001", "transport", "small", "vision")
+DEFAULT_SIZES = (1 * MiB, 16 * MiB, 64 * MiB, 256 * MiB)
