@@ -1,0 +1,221 @@
+# cython: language_level=3
+"""The Cython skin over ring.h: a mapped slot segment and the lease that owns its views.
+
+The seam (STYLE.md): atomics and raw pointers live in ring.h; this module turns pointers into
+Python objects (buffers, leases) and releases the GIL around copies; every decision is made in
+shmloader/ring.py.
+"""
+
+from cpython.buffer cimport PyBuffer_FillInfo
+from libc.errno cimport errno
+from libc.stdint cimport int64_t, uint8_t, uint32_t, uint64_t, uintptr_t
+from libc.string cimport memcpy
+from posix.unistd cimport close
+
+from ring cimport (
+    SHM_HEADER_BYTES, SHM_LEAF_ALIGN, SHM_SLOT_FREE, SHM_SLOT_LEASED, SHM_SLOT_MAGIC,
+    SHM_SLOT_READY, SHM_SLOT_VERSION, SHM_SLOT_WRITING, shm_map, shm_reserve, shm_slot_header,
+    shm_unmap, slot_acquire, slot_claim, slot_init, slot_publish, slot_release, slot_state,
+)
+
+import os
+
+HEADER_BYTES = SHM_HEADER_BYTES
+LEAF_ALIGN = SHM_LEAF_ALIGN
+MAGIC = SHM_SLOT_MAGIC
+VERSION = SHM_SLOT_VERSION
+FREE = SHM_SLOT_FREE
+WRITING = SHM_SLOT_WRITING
+READY = SHM_SLOT_READY
+LEASED = SHM_SLOT_LEASED
+
+
+def reserve(int fd, uint64_t nbytes):
+    """Allocate the pages of `fd` now (posix_fallocate); raise OSError(ENOSPC, ...) if they do not fit."""
+    cdef int rc
+    with nogil:
+        rc = shm_reserve(fd, nbytes)
+    if rc != 0:
+        raise OSError(rc, os.strerror(rc))
+
+
+cdef class Segment:
+    """One slot's shared memory, mapped into this process; owns its fd and its mapping.
+
+    The mapping lives until the last reference goes (leases hold one), so views handed to the
+    user never outlive the memory under them.  `before_unmap`, when set, is called just before
+    munmap (the CUDA path unregisters the pages there).
+    """
+
+    cdef char *_base
+    cdef uint64_t _size
+    cdef int _fd
+    cdef Py_ssize_t _exports
+    cdef public object before_unmap
+    cdef object __weakref__
+
+    def __cinit__(self, int fd, uint64_t size):
+        self._base = NULL
+        self._fd = -1
+        if size < SHM_HEADER_BYTES:
+            raise ValueError(f"a slot segment needs at least {SHM_HEADER_BYTES} bytes, got {size}")
+        cdef void *p
+        with nogil:
+            p = shm_map(fd, size)
+        if p == NULL:
+            raise OSError(errno, f"mmap of a {size}-byte slot segment failed: {os.strerror(errno)}")
+        self._base = <char *>p
+        self._size = size
+        self._fd = fd
+
+    def __dealloc__(self):
+        if self._base != NULL:
+            if self.before_unmap is not None:
+                try:
+                    self.before_unmap(self)
+                except BaseException:
+                    pass
+            shm_unmap(self._base, self._size)
+            self._base = NULL
+        if self._fd >= 0:
+            close(self._fd)
+            self._fd = -1
+
+    @property
+    def size(self):
+        return self._size
+
+    @property
+    def fd(self):
+        """The segment's file descriptor, or -1 once closed (the mapping stays valid)."""
+        return self._fd
+
+    @property
+    def address(self):
+        return <uintptr_t>self._base
+
+    @property
+    def mapped(self):
+        return self._base != NULL
+
+    @property
+    def exports(self):
+        return self._exports
+
+    cdef inline shm_slot_header *_header(self) except NULL:
+        if self._base == NULL:
+            raise ValueError("slot segment is unmapped")
+        return <shm_slot_header *>self._base
+
+    def init_header(self, uint64_t generation):
+        slot_init(self._header(), self._size, generation)
+
+    def header(self):
+        """(magic, version, state, capacity, generation, writer, sequence, descriptor_bytes, payload_end)."""
+        cdef shm_slot_header *h = self._header()
+        return (h.magic, h.version, slot_state(h), h.capacity, h.generation, h.writer,
+                h.sequence, h.descriptor_bytes, h.payload_end)
+
+    def state(self):
+        return slot_state(self._header())
+
+    def claim(self, int64_t writer, uint64_t sequence):
+        """FREE -> WRITING; returns the state found (FREE means claimed)."""
+        return slot_claim(self._header(), writer, sequence)
+
+    def publish(self, uint64_t descriptor_bytes, uint64_t payload_end):
+        if payload_end > self._size or SHM_HEADER_BYTES + descriptor_bytes > self._size:
+            raise ValueError(
+                f"publish past the slot: descriptor {descriptor_bytes} bytes, payload end "
+                f"{payload_end}, capacity {self._size}")
+        slot_publish(self._header(), descriptor_bytes, payload_end)
+
+    def acquire(self):
+        """READY -> LEASED; returns the state found (READY means acquired)."""
+        return slot_acquire(self._header())
+
+    def release(self):
+        slot_release(self._header())
+
+    def _check_range(self, uint64_t offset, uint64_t nbytes):
+        if self._base == NULL:
+            raise ValueError("slot segment is unmapped")
+        if offset > self._size or nbytes > self._size - offset:
+            raise ValueError(
+                f"range [{offset}, {offset + nbytes}) lies outside the {self._size}-byte slot")
+
+    def write(self, uint64_t offset, const uint8_t[::1] data):
+        """Copy small bytes (the descriptor) into the slot."""
+        cdef uint64_t n = data.shape[0]
+        self._check_range(offset, n)
+        if n:
+            memcpy(self._base + offset, &data[0], n)
+
+    def read(self, uint64_t offset, uint64_t nbytes):
+        self._check_range(offset, nbytes)
+        return (self._base + offset)[:nbytes]
+
+    def copy_from_address(self, uint64_t offset, uintptr_t source, uint64_t nbytes):
+        """memcpy `nbytes` from a raw address (a contiguous array's data) into the slot, GIL released."""
+        self._check_range(offset, nbytes)
+        cdef char *dst = self._base + offset
+        with nogil:
+            memcpy(dst, <const void *>source, nbytes)
+
+    def close_fd(self):
+        """Close the fd (after it has been passed on); the mapping stays until deallocation."""
+        if self._fd >= 0:
+            close(self._fd)
+            self._fd = -1
+
+    def __getbuffer__(self, Py_buffer *buffer, int flags):
+        if self._base == NULL:
+            raise BufferError("slot segment is unmapped")
+        PyBuffer_FillInfo(buffer, self, self._base, <Py_ssize_t>self._size, 0, flags)
+        self._exports += 1
+
+    def __releasebuffer__(self, Py_buffer *buffer):
+        self._exports -= 1
+
+
+cdef class SlotLease:
+    """The main process's claim on one delivered batch.
+
+    Every view of the batch (torch.frombuffer / np.frombuffer over this object) holds a reference
+    to it; when the last one goes, `on_release((slot, generation))` tells the ring the slot is
+    free again (NOTE [ Slot lifecycle ] in shmloader/ring.py).
+    """
+
+    cdef readonly Segment segment
+    cdef readonly int slot
+    cdef readonly uint64_t generation
+    cdef readonly uint64_t sequence
+    cdef object _on_release
+    cdef object __weakref__
+
+    def __cinit__(self, Segment segment, int slot, uint64_t generation, uint64_t sequence,
+                  object on_release):
+        self.segment = segment
+        self.slot = slot
+        self.generation = generation
+        self.sequence = sequence
+        self._on_release = on_release
+
+    def __dealloc__(self):
+        if self._on_release is not None:
+            try:
+                self._on_release((self.slot, self.generation))
+            except BaseException:
+                pass
+            self._on_release = None
+
+    def __getbuffer__(self, Py_buffer *buffer, int flags):
+        if self.segment._base == NULL:
+            raise BufferError("slot segment is unmapped")
+        PyBuffer_FillInfo(buffer, self, self.segment._base, <Py_ssize_t>self.segment._size, 0, flags)
+
+    def __releasebuffer__(self, Py_buffer *buffer):
+        pass
+
+    def __repr__(self):
+        return f"<SlotLease slot={self.slot} generation={self.generation} batch={self.sequence}>"

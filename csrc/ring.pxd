@@ -1,0 +1,34 @@
+# The C surface of csrc/ring.h, declared once (see ring.h for the byte layout).
+from libc.stdint cimport int64_t, uint8_t, uint32_t, uint64_t
+
+
+cdef extern from "ring.h" nogil:
+    const uint64_t SHM_SLOT_MAGIC
+    const uint32_t SHM_SLOT_VERSION
+    const uint32_t SHM_HEADER_BYTES
+    const uint32_t SHM_LEAF_ALIGN
+    const uint32_t SHM_SLOT_FREE
+    const uint32_t SHM_SLOT_WRITING
+    const uint32_t SHM_SLOT_READY
+    const uint32_t SHM_SLOT_LEASED
+
+    ctypedef struct shm_slot_header:
+        uint64_t magic
+        uint32_t version
+        uint32_t state
+        uint64_t capacity
+        uint64_t generation
+        int64_t writer
+        uint64_t sequence
+        uint64_t descriptor_bytes
+        uint64_t payload_end
+
+    int shm_reserve(int fd, uint64_t nbytes) noexcept
+    void *shm_map(int fd, uint64_t nbytes) noexcept
+    int shm_unmap(void *base, uint64_t nbytes) noexcept
+    void slot_init(shm_slot_header *h, uint64_t capacity, uint64_t generation) noexcept
+    uint32_t slot_state(const shm_slot_header *h) noexcept
+    uint32_t slot_claim(shm_slot_header *h, int64_t writer, uint64_t sequence) noexcept
+    void slot_publish(shm_slot_header *h, uint64_t descriptor_bytes, uint64_t payload_end) noexcept
+    uint32_t slot_acquire(shm_slot_header *h) noexcept
+    void slot_release(shm_slot_header *h) noexcept

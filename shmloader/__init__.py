@@ -1,0 +1,30 @@
+"""shmloader: a drop-in torch DataLoader that moves batches through shared memory, not pickles."""
+
+from ._version import __version__
+from .errors import (
+    BatchShapeError,
+    LayoutError,
+    LoaderTimeoutError,
+    RingFullError,
+    ShmCapacityError,
+    ShmLoaderError,
+    SlotProtocolError,
+    WorkerDiedError,
+    WorkerError,
+)
+from .loader import LoaderStats, ShmDataLoader
+
+__all__ = [
+    "__version__",
+    "ShmDataLoader",
+    "LoaderStats",
+    "ShmLoaderError",
+    "WorkerDiedError",
+    "WorkerError",
+    "LoaderTimeoutError",
+    "RingFullError",
+    "ShmCapacityError",
+    "LayoutError",
+    "BatchShapeError",
+    "SlotProtocolError",
+]

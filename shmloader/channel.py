@@ -1,0 +1,107 @@
+"""The control channel between the main process and one worker: small framed messages, plus fds.
+
+Only a few integers per batch cross it (NOTE [ Slot lifecycle ] in ring.py): the batch bytes
+never do.  Each message is a 5-byte frame header (payload length, fd count) followed by a pickled
+tuple; a message that carries fds (a slot segment) sends them as SCM_RIGHTS ancillary data with
+its frame header.  One stream socket per worker keeps the order of messages and fds together.
+"""
+
+from __future__ import annotations
+
+import array
+import pickle
+import socket
+import struct
+
+from .ownership import register_parent_only
+
+_FRAME = struct.Struct("<IB")
+_MAX_FDS = 4
+
+
+class ChannelClosed(EOFError):
+    """The peer closed its end (it exited or died)."""
+
+
+class Channel:
+    """One end of a worker's control socket."""
+
+    def __init__(self, sock: socket.socket, parent_side: bool = False):
+        self.sock = sock
+        self.bytes_sent = 0
+        self.bytes_received = 0
+        self.messages_sent = 0
+        self.messages_received = 0
+        if parent_side:
+            register_parent_only(self)
+
+    @classmethod
+    def pair(cls) -> tuple[Channel, socket.socket]:
+        """(the main process's end, the socket to hand to the worker)."""
+        parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        return cls(parent, parent_side=True), child
+
+    def fileno(self) -> int:
+        return self.sock.fileno()
+
+    def send(self, message: tuple, fds: tuple[int, ...] = ()) -> None:
+        payload = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+        frame = _FRAME.pack(len(payload), len(fds))
+        if fds:
+            ancillary = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))]
+            self.sock.sendmsg([frame], ancillary)
+            self.sock.sendall(payload)
+        else:
+            self.sock.sendall(frame + payload)
+        self.bytes_sent += len(frame) + len(payload)
+        self.messages_sent += 1
+
+    def recv(self) -> tuple[tuple, list[int]]:
+        """The next message and the fds that came with it (the caller owns them)."""
+        frame = bytearray()
+        fds: list[int] = []
+        while len(frame) < _FRAME.size:
+            data, ancillary, _flags, _addr = self.sock.recvmsg(
+                _FRAME.size - len(frame), socket.CMSG_SPACE(_MAX_FDS * 4)
+            )
+            if not data:
+                for fd in fds:
+                    _close_quietly(fd)
+                raise ChannelClosed("the peer closed the control socket")
+            frame += data
+            for level, kind, blob in ancillary:
+                if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                    got = array.array("i")
+                    got.frombytes(blob[: len(blob) - len(blob) % got.itemsize])
+                    fds.extend(got)
+        length, nfds = _FRAME.unpack(frame)
+        if nfds != len(fds):
+            for fd in fds:
+                _close_quietly(fd)
+            raise ConnectionError(f"control message announced {nfds} fds, {len(fds)} arrived")
+        payload = bytearray(length)
+        view = memoryview(payload)
+        got = 0
+        while got < length:
+            n = self.sock.recv_into(view[got:], length - got)
+            if n == 0:
+                raise ChannelClosed("the peer closed the control socket mid-message")
+            got += n
+        self.bytes_received += _FRAME.size + length
+        self.messages_received += 1
+        return pickle.loads(payload), fds
+
+    def close(self) -> None:
+        self.sock.close()
+
+    def close_in_child(self) -> None:
+        self.sock.close()
+
+
+def _close_quietly(fd: int) -> None:
+    import os
+
+    try:
+        os.close(fd)
+    except OSError:
+        pass

@@ -1,0 +1,112 @@
+"""The exceptions shmloader raises, each naming the values involved and what to do.
+
+All derive from the types torch's DataLoader raises in the same situation (RuntimeError for a
+dead worker or a timeout, TypeError for an unsupported leaf) so existing `except` clauses keep
+working.  Every class pickles with its fields, because workers raise some of them.
+"""
+
+from __future__ import annotations
+
+import signal
+
+_LIKELY_CAUSE = {
+    signal.SIGKILL: "likely the out-of-memory killer: check `dmesg`, use fewer workers or smaller batches",
+    signal.SIGBUS: "likely shared memory too small (/dev/shm): give the container more (docker --shm-size)",
+    signal.SIGSEGV: "a segmentation fault in native code run by the dataset or collate_fn",
+    signal.SIGABRT: "an abort in native code run by the dataset or collate_fn",
+    signal.SIGTERM: "terminated from outside",
+}
+
+
+def describe_exit(exitcode: int | None) -> str:
+    """'killed by SIGKILL (likely ...)' or 'exited with status 3' for a process's exit code."""
+    if exitcode is None:
+        return "is still running"
+    if exitcode < 0:
+        try:
+            sig = signal.Signals(-exitcode)
+        except ValueError:
+            return f"was killed by signal {-exitcode}"
+        cause = _LIKELY_CAUSE.get(sig)
+        return f"was killed by {sig.name}" + (f" ({cause})" if cause else "")
+    return f"exited with status {exitcode}"
+
+
+class ShmLoaderError(Exception):
+    """Base of shmloader's own exceptions."""
+
+
+class WorkerDiedError(ShmLoaderError, RuntimeError):
+    """A worker process ended while the loader still needed it."""
+
+    def __init__(self, worker_id: int, pid: int | None, exitcode: int | None, doing: str = ""):
+        self.worker_id, self.pid, self.exitcode = worker_id, pid, exitcode
+        detail = f" while {doing}" if doing else ""
+        super().__init__(
+            f"DataLoader worker {worker_id} (pid {pid}) {describe_exit(exitcode)}{detail}; "
+            "the loader has been shut down"
+        )
+        self._doing = doing
+
+    def __reduce__(self):
+        return (type(self), (self.worker_id, self.pid, self.exitcode, self._doing))
+
+
+class LoaderTimeoutError(ShmLoaderError, RuntimeError, TimeoutError):
+    """No batch arrived within `timeout` seconds (torch raises RuntimeError here too)."""
+
+
+class RingFullError(ShmLoaderError, RuntimeError):
+    """The training loop holds every slot of a ring that may not grow any more."""
+
+
+class ShmCapacityError(ShmLoaderError, MemoryError):
+    """The ring (or a slot's growth) does not fit in the shared-memory filesystem."""
+
+    def __init__(self, needed: int, free: int, path: str, what: str):
+        self.needed, self.free, self.path, self.what = needed, free, path, what
+        super().__init__(
+            f"{what} needs {_fmt_bytes(needed)} ({needed} bytes) of shared memory but {path} has "
+            f"{_fmt_bytes(free)} ({free} bytes) free. Lower prefetch_factor or num_workers, "
+            f"pass a smaller slot_bytes or batch_size, free space in {path}, or give the "
+            "container more shared memory (e.g. `docker run --shm-size=8g`)."
+        )
+
+    def __reduce__(self):
+        return (type(self), (self.needed, self.free, self.path, self.what))
+
+
+class LayoutError(ShmLoaderError, TypeError):
+    """A batch contains a leaf that cannot travel through a slot; names the leaf's path."""
+
+
+class BatchShapeError(ShmLoaderError, RuntimeError):
+    """Samples disagree on a leaf's shape or dtype, so they cannot be stacked (torch.stack's case)."""
+
+
+class SlotProtocolError(ShmLoaderError, RuntimeError):
+    """A slot's header or descriptor is not what this process expects (stale, foreign, corrupt)."""
+
+
+class WorkerError(ShmLoaderError, RuntimeError):
+    """Stands for a worker's exception that could not be rebuilt with its own type."""
+
+
+class RemoteTraceback(Exception):
+    """Carries a worker's formatted traceback; attached as `__cause__` of re-raised exceptions."""
+
+    def __init__(self, text: str):
+        self.text = text
+        super().__init__(text)
+
+    def __str__(self) -> str:
+        return self.text
+
+
+def _fmt_bytes(n: int) -> str:
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if value < 1024 or unit == "GiB":
+            return f"{value:.1f} {unit}" if unit != "B" else f"{int(value)} B"
+        value /= 1024
+    raise AssertionError("unreachable")

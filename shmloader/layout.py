@@ -1,0 +1,337 @@
+"""How a batch sits in a slot, and how it comes back out as zero-copy views.
+
+    0            HEADER_BYTES                 payload_base = align64(HEADER + len(descriptor))
+    | header     | descriptor: pickle of the   | array leaves, each at a 64-byte-aligned offset
+    | (ring.h)   | batch with leaves left out  | relative to payload_base
+                   (persistent ids)
+
+A batch is any picklable structure.  Its array leaves (numpy arrays, CPU torch tensors, and the
+stacked leaves of the default collate) are taken out of the pickle with `persistent_id`: the
+descriptor records (kind, offset, dtype, shape) for each and the bytes go to their aligned place
+in the slot.  Everything else (containers, str, None, numbers) stays in the small descriptor.  The
+main process unpickles the descriptor with `persistent_load` returning views onto the slot, so
+any container type (dict, OrderedDict, namedtuple, dataclass) comes back as it was built.
+
+With the default collate, samples are not stacked in memory first: `collate_into_slot` runs
+torch's own `collate` (so the structure, container types and errors are torch's) with the tensor
+and ndarray handlers replaced by `StackedLeaf`, a promise of a (batch, *row) tensor whose rows
+are written straight from each sample into the slot.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import pickle
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch.utils.data._utils import collate as torch_collate
+
+from . import _ring
+from .errors import BatchShapeError, LayoutError
+
+HEADER_BYTES = _ring.HEADER_BYTES
+ALIGN = _ring.LEAF_ALIGN
+
+
+def align(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+# numpy dtypes whose bytes torch.as_tensor takes as they are.
+_NUMPY_TO_TORCH = {
+    np.dtype(np.bool_): torch.bool,
+    np.dtype(np.uint8): torch.uint8,
+    np.dtype(np.int8): torch.int8,
+    np.dtype(np.int16): torch.int16,
+    np.dtype(np.int32): torch.int32,
+    np.dtype(np.int64): torch.int64,
+    np.dtype(np.float16): torch.float16,
+    np.dtype(np.float32): torch.float32,
+    np.dtype(np.float64): torch.float64,
+    np.dtype(np.complex64): torch.complex64,
+    np.dtype(np.complex128): torch.complex128,
+}
+for _name in ("uint16", "uint32", "uint64"):
+    if hasattr(torch, _name):
+        _NUMPY_TO_TORCH[np.dtype(_name)] = getattr(torch, _name)
+
+
+def _describe(leaf) -> str:
+    if isinstance(leaf, torch.Tensor):
+        return f"{str(leaf.dtype).removeprefix('torch.')}{list(leaf.shape)}"
+    if isinstance(leaf, np.ndarray):
+        return f"{leaf.dtype}{list(leaf.shape)}"
+    return type(leaf).__name__
+
+
+# -- the default collate, straight into the slot ------------------------------------------------
+
+
+class StackedLeaf:
+    """A (len(rows), *row_shape) tensor of `dtype`, not yet materialised: row i is rows[i]."""
+
+    __slots__ = ("rows", "dtype", "row_shape", "problem")
+
+    def __init__(self, rows, dtype: torch.dtype, row_shape: tuple[int, ...], problem: str | None = None):
+        self.rows = rows
+        self.dtype = dtype
+        self.row_shape = row_shape
+        self.problem = problem
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (len(self.rows), *self.row_shape)
+
+    @property
+    def row_nbytes(self) -> int:
+        return math.prod(self.row_shape) * self.dtype.itemsize
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.rows) * self.row_nbytes
+
+
+def _first_mismatch(rows, key) -> str | None:
+    first = key(rows[0])
+    for i, row in enumerate(rows):
+        if key(row) != first:
+            return f"sample 0 is {_describe(rows[0])}, sample {i} is {_describe(row)}"
+    return None
+
+
+def _stack_tensors(batch, *, collate_fn_map=None):
+    elem = batch[0]
+    plain = all(
+        type(t) is torch.Tensor and t.layout == torch.strided and t.device.type == "cpu"
+        and not t.is_nested and t.dtype == elem.dtype and not t.requires_grad
+        for t in batch
+    )
+    if not plain:  # torch's own semantics (type promotion, errors) for the unusual cases
+        return torch.stack(batch, 0)
+    problem = _first_mismatch(batch, lambda t: tuple(t.shape))
+    return StackedLeaf(batch, elem.dtype, tuple(elem.shape), problem)
+
+
+def _stack_arrays(batch, *, collate_fn_map=None):
+    elem = batch[0]
+    if torch_collate.np_str_obj_array_pattern.search(elem.dtype.str) is not None:
+        raise TypeError(torch_collate.default_collate_err_msg_format.format(elem.dtype))
+    dtype = _NUMPY_TO_TORCH.get(elem.dtype)
+    if dtype is None or any(a.dtype != elem.dtype for a in batch):
+        return torch.stack([torch.as_tensor(a) for a in batch], 0)
+    problem = _first_mismatch(batch, lambda a: a.shape)
+    return StackedLeaf(batch, dtype, tuple(elem.shape), problem)
+
+
+SLOT_COLLATE_MAP = dict(torch_collate.default_collate_fn_map)
+SLOT_COLLATE_MAP[torch.Tensor] = _stack_tensors
+SLOT_COLLATE_MAP[np.ndarray] = _stack_arrays
+
+
+def collate_into_slot(samples):
+    """What `default_collate(samples)` would return, with StackedLeaf in place of stacked tensors."""
+    return torch_collate.collate(samples, collate_fn_map=SLOT_COLLATE_MAP)
+
+
+# -- paths, for errors ---------------------------------------------------------------------------
+
+
+def iter_leaves(obj, path: str = "batch"):
+    """(path, leaf) for every leaf of the containers torch's collate knows."""
+    if isinstance(obj, Mapping):
+        for key, value in obj.items():
+            yield from iter_leaves(value, f"{path}[{key!r}]")
+    elif isinstance(obj, tuple) and hasattr(obj, "_fields"):
+        for field, value in zip(obj._fields, obj):
+            yield from iter_leaves(value, f"{path}.{field}")
+    elif isinstance(obj, (list, tuple)):
+        for i, value in enumerate(obj):
+            yield from iter_leaves(value, f"{path}[{i}]")
+    else:
+        yield path, obj
+
+
+def path_of(structure, target) -> str:
+    for path, leaf in iter_leaves(structure):
+        if leaf is target:
+            return path
+    return "batch (inside an object shmloader does not walk)"
+
+
+# -- the plan: what goes where -----------------------------------------------------------------
+
+
+class _Unsupported(Exception):
+    def __init__(self, leaf, reason: str):
+        self.leaf, self.reason = leaf, reason
+
+
+class _Planner(pickle.Pickler):
+    """Pickles the structure, assigning array leaves to aligned offsets instead of pickling them."""
+
+    def __init__(self, file):
+        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+        self.leaves: list[tuple[int, object]] = []
+        self.end = 0
+
+    def _place(self, nbytes: int, leaf) -> int:
+        offset = self.end
+        self.leaves.append((offset, leaf))
+        self.end = align(offset + nbytes)
+        return offset
+
+    def persistent_id(self, obj):
+        if type(obj) is StackedLeaf:
+            if obj.problem is not None:
+                raise _Unsupported(obj, obj.problem)
+            return ("t", self._place(obj.nbytes, obj), obj.dtype, obj.shape, False)
+        if isinstance(obj, torch.Tensor):
+            if obj.layout != torch.strided:
+                return None  # sparse and friends: pickled whole, still correct
+            if obj.device.type != "cpu":
+                raise _Unsupported(obj, f"a {obj.device.type} tensor cannot be written to shared memory; "
+                                        "return CPU tensors from workers")
+            source = obj.detach().resolve_conj().resolve_neg()
+            offset = self._place(source.numel() * source.element_size(), source)
+            return ("t", offset, obj.dtype, tuple(obj.shape), obj.requires_grad)
+        if isinstance(obj, np.ndarray):
+            if obj.dtype.hasobject:
+                raise _Unsupported(obj, f"a numpy array of dtype {obj.dtype} holds Python objects, "
+                                        "which cannot be written to shared memory; use a numeric "
+                                        "dtype, or a list")
+            order = "F" if obj.flags.f_contiguous and not obj.flags.c_contiguous else "C"
+            return ("n", self._place(obj.nbytes, obj), obj.dtype, obj.shape, order)
+        return None
+
+
+@dataclass
+class BatchPlan:
+    descriptor: bytes
+    leaves: list[tuple[int, object]]
+    payload_base: int
+    total_bytes: int
+
+
+def plan_batch(structure) -> BatchPlan:
+    """Lay out `structure`; raises LayoutError / BatchShapeError naming the offending leaf's path."""
+    buffer = io.BytesIO()
+    planner = _Planner(buffer)
+    try:
+        planner.dump(structure)
+    except _Unsupported as exc:
+        where = path_of(structure, exc.leaf)
+        if type(exc.leaf) is StackedLeaf:
+            raise BatchShapeError(
+                f"cannot stack samples at {where}: {exc.reason}. Return equal shapes from the "
+                "dataset, or pass a collate_fn that pads or keeps a list"
+            ) from None
+        raise LayoutError(f"cannot send {_describe(exc.leaf)} at {where}: {exc.reason}") from None
+    except (pickle.PicklingError, TypeError, AttributeError) as exc:
+        raise _pickling_error(structure, exc) from exc
+    descriptor = buffer.getvalue()
+    payload_base = align(HEADER_BYTES + len(descriptor))
+    return BatchPlan(descriptor, planner.leaves, payload_base, payload_base + planner.end)
+
+
+def _pickling_error(structure, exc: Exception) -> LayoutError:
+    for path, leaf in iter_leaves(structure):
+        if isinstance(leaf, (torch.Tensor, np.ndarray, StackedLeaf)):
+            continue
+        try:
+            pickle.dumps(leaf, protocol=pickle.HIGHEST_PROTOCOL)
+        except Exception as leaf_exc:
+            return LayoutError(
+                f"cannot send {type(leaf).__name__} {leaf!r:.80} at {path}: it cannot be pickled "
+                f"({leaf_exc}); return arrays, tensors, numbers, str or None from the dataset and collate_fn"
+            )
+    return LayoutError(f"cannot send the batch: {exc}")
+
+
+# -- writing (worker) and reading (main) ---------------------------------------------------------
+
+
+def _copy_numpy(segment: _ring.Segment, offset: int, array: np.ndarray, c_order: bool) -> None:
+    """Copy `array` to `offset`: raw bytes when its memory order is the one the descriptor says
+    (C, or F for a Fortran-ordered leaf), else element by element into a C-ordered target."""
+    if array.nbytes == 0:
+        return
+    if array.flags.c_contiguous or (array.flags.f_contiguous and not c_order):
+        segment.copy_from_address(offset, array.__array_interface__["data"][0], array.nbytes)
+    else:
+        target = np.frombuffer(segment, dtype=array.dtype, count=array.size, offset=offset)
+        np.copyto(target.reshape(array.shape), array)
+
+
+def _copy_tensor(segment: _ring.Segment, offset: int, tensor: torch.Tensor) -> None:
+    nbytes = tensor.numel() * tensor.element_size()
+    if nbytes == 0:
+        return
+    if tensor.is_contiguous():
+        segment.copy_from_address(offset, tensor.data_ptr(), nbytes)
+    else:
+        target = torch.frombuffer(segment, dtype=tensor.dtype, count=tensor.numel(), offset=offset)
+        target.view(tensor.shape).copy_(tensor)
+
+
+def write_batch(segment: _ring.Segment, plan: BatchPlan) -> None:
+    """Copy the descriptor and every leaf into a slot the caller has claimed."""
+    segment.write(HEADER_BYTES, plan.descriptor)
+    base = plan.payload_base
+    for offset, leaf in plan.leaves:
+        if type(leaf) is StackedLeaf:
+            row_bytes = leaf.row_nbytes
+            for i, row in enumerate(leaf.rows):
+                at = base + offset + i * row_bytes
+                if isinstance(row, np.ndarray):
+                    _copy_numpy(segment, at, row, c_order=True)
+                else:
+                    _copy_tensor(segment, at, row.resolve_conj().resolve_neg())
+        elif isinstance(leaf, np.ndarray):
+            _copy_numpy(segment, base + offset, leaf, c_order=False)
+        else:
+            _copy_tensor(segment, base + offset, leaf)
+
+
+class _SlotUnpickler(pickle.Unpickler):
+    def __init__(self, descriptor: bytes, lease: _ring.SlotLease, payload_base: int, payload_end: int):
+        super().__init__(io.BytesIO(descriptor))
+        self.lease = lease
+        self.payload_base = payload_base
+        self.payload_end = payload_end
+
+    def persistent_load(self, pid):
+        kind, offset, dtype, shape, extra = pid
+        count = math.prod(shape)
+        start = self.payload_base + offset
+        itemsize = dtype.itemsize
+        if start + count * itemsize > self.payload_end:
+            from .errors import SlotProtocolError
+
+            raise SlotProtocolError(
+                f"a leaf of {count * itemsize} bytes at offset {start} lies past the slot's "
+                f"payload end {self.payload_end}"
+            )
+        if kind == "t":
+            if count == 0:
+                view = torch.empty(shape, dtype=dtype)
+            else:
+                view = torch.frombuffer(self.lease, dtype=dtype, count=count, offset=start).view(shape)
+            if extra:
+                view.requires_grad_(True)
+            return view
+        if kind == "n":
+            if count == 0:
+                return np.empty(shape, dtype=dtype, order=extra)
+            flat = np.frombuffer(self.lease, dtype=dtype, count=count, offset=start)
+            return flat.reshape(shape, order=extra)
+        raise pickle.UnpicklingError(f"unknown leaf kind {kind!r} in a slot descriptor")
+
+
+def read_batch(lease: _ring.SlotLease, descriptor: bytes, payload_end: int):
+    """Rebuild the batch from its descriptor, every array leaf a view that keeps `lease` alive."""
+    payload_base = align(HEADER_BYTES + len(descriptor))
+    return _SlotUnpickler(descriptor, lease, payload_base, payload_end).load()

@@ -1,0 +1,446 @@
+"""ShmDataLoader: torch's DataLoader, with batches carried through a ring of shared-memory slots.
+
+    sampler ──indices──▶ worker k ──(fetch, collate straight into slot s)──▶ ring slot s
+       ▲                                                                         │
+       │                "batch n is in slot s" (a few ints over a socket)        │
+       └── main: reorder by n ◀──────────────────────────────────────────────────┘
+              └─▶ wrap slot s as tensors (zero-copy views holding the slot's lease)
+
+What one `next()` does, step by step:
+  1. take back the slots whose batches the user has dropped (their leases died);
+  2. hand out the tasks that were waiting for a free slot (NOTE [ Ring size ] in ring.py);
+  3. if batch `rcvd_idx` is not in yet, wait on every worker's socket and process sentinel
+     (bounded waits: a dead worker or `timeout` raises, never a hang);
+  4. validate the slot's header, unpickle its small descriptor with views onto the slot;
+  5. send the next task (indices, slot) to the next worker in round-robin order; return the batch.
+
+Order, seeding, `len()`, epochs, `persistent_workers`, `in_order` and iterable datasets follow
+torch's `_MultiProcessingDataLoaderIter` exactly (this iterator derives from torch's base class,
+so the sampler and the seeds are drawn in the same order from the same generator).
+
+NOTE [ Shutdown ]
+  At the end of an epoch (unless persistent), on `del`, on an error or on Ctrl-C: send "stop" to
+  every worker, give them a moment, terminate the rest (safe: slot segments have no names to leak
+  and the kernel closes their fds), join, close the sockets and the process sentinels, then close
+  the ring.  Slots whose batches the user still holds stay mapped until those views are freed.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import time
+import weakref
+from dataclasses import dataclass
+from multiprocessing import connection as mp_connection
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader
+from torch.utils.data._utils import collate as torch_collate
+from torch.utils.data.dataloader import _BaseDataLoaderIter, _DatasetKind
+
+from . import layout
+from .channel import Channel
+from .errors import LoaderTimeoutError, RemoteTraceback, SlotProtocolError, WorkerDiedError, WorkerError
+from .ring import CONSUMER_SLOTS, Ring, RingStats
+from .worker import COLLATE_CONVERT, COLLATE_CUSTOM, COLLATE_INTO_SLOT, Shipped, WorkerSpec, worker_main
+
+POLL_SECONDS = 0.5  # longest blind wait: sentinels and timeouts are checked at least this often
+STOP_GRACE_SECONDS = 0.5  # how long stopped workers get before they are terminated
+
+
+@dataclass(frozen=True)
+class LoaderStats:
+    """A snapshot of the loader's ring and control channel (see NOTE [ Ring size ])."""
+
+    ring_slots: int
+    slot_bytes: int
+    ring_bytes: int
+    ring_grows: int
+    slot_grows: int
+    batches: int
+    control_bytes: int
+    control_messages: int
+
+    @property
+    def control_bytes_per_batch(self) -> float:
+        return self.control_bytes / self.batches if self.batches else 0.0
+
+
+class ShmDataLoader(DataLoader):
+    """A drop-in for `torch.utils.data.DataLoader` whose workers hand over batches through shared
+    memory.  Takes every DataLoader argument, plus:
+
+    slot_bytes: initial size of each ring slot; by default learnt from the first batch (plus
+        headroom).  A batch larger than its slot grows that slot; it is never truncated.
+    max_ring_slots: how many slots the ring may grow to when the training loop holds on to
+        batches (default 2 × (num_workers × prefetch_factor + 2)); past it, RingFullError.
+    """
+
+    def __init__(self, dataset, batch_size=1, shuffle=None, sampler=None, batch_sampler=None,
+                 num_workers=0, collate_fn=None, pin_memory=False, drop_last=False, timeout=0,
+                 worker_init_fn=None, multiprocessing_context=None, generator=None, *,
+                 prefetch_factor=None, persistent_workers=False, pin_memory_device="",
+                 in_order=True, slot_bytes: int | None = None, max_ring_slots: int | None = None):
+        if slot_bytes is not None and (not isinstance(slot_bytes, int) or isinstance(slot_bytes, bool) or slot_bytes <= 0):
+            raise ValueError(f"slot_bytes must be a positive int or None, got {slot_bytes!r}")
+        if max_ring_slots is not None and (not isinstance(max_ring_slots, int) or isinstance(max_ring_slots, bool) or max_ring_slots < 1):
+            raise ValueError(f"max_ring_slots must be an int >= 1 or None, got {max_ring_slots!r}")
+        super().__init__(
+            dataset, batch_size=batch_size, shuffle=shuffle, sampler=sampler,
+            batch_sampler=batch_sampler, num_workers=num_workers, collate_fn=collate_fn,
+            pin_memory=pin_memory, drop_last=drop_last, timeout=timeout,
+            worker_init_fn=worker_init_fn, multiprocessing_context=multiprocessing_context,
+            generator=generator, prefetch_factor=prefetch_factor,
+            persistent_workers=persistent_workers, pin_memory_device=pin_memory_device,
+            in_order=in_order,
+        )
+        self.slot_bytes = slot_bytes
+        self.max_ring_slots = max_ring_slots
+        self._last_iterator: weakref.ref | None = None
+        self._final_stats: LoaderStats | None = None
+
+    def _get_iterator(self):
+        if self.num_workers == 0:
+            return super()._get_iterator()  # in-process: nothing to transport
+        self.check_worker_number_rationality()
+        iterator = _ShmLoaderIter(self)
+        self._last_iterator = weakref.ref(iterator)
+        return iterator
+
+    def stats(self) -> LoaderStats | None:
+        """The ring and control-channel figures of the latest iterator (None before the first)."""
+        iterator = self._last_iterator() if self._last_iterator is not None else None
+        if iterator is not None and not iterator._shutdown:
+            return iterator.stats()
+        return self._final_stats
+
+
+class _Failure:
+    """A worker's exception, to be raised when its batch's turn comes (as torch does)."""
+
+    def __init__(self, worker_id: int, pid: int | None, idx: int, stage: str, payload: tuple):
+        self.worker_id, self.pid, self.idx, self.stage, self.payload = worker_id, pid, idx, stage, payload
+
+    def reraise(self):
+        blob, type_name, message, text = self.payload
+        where = f"in DataLoader worker {self.worker_id} (pid {self.pid}) while {self.stage} for batch {self.idx}"
+        original = None
+        if blob is not None:
+            try:
+                import pickle
+
+                original = pickle.loads(blob)
+            except Exception:
+                original = None
+        summary = f"Caught {type_name.rsplit('.', 1)[-1]} {where}.\nOriginal {text}"
+        exc: BaseException = WorkerError(summary)
+        if original is not None:
+            try:
+                exc = type(original)(summary)
+            except Exception:
+                pass
+        exc.worker_id, exc.worker_stage = self.worker_id, self.stage  # type: ignore[attr-defined]
+        raise exc from RemoteTraceback(text)
+
+
+_END = object()  # an iterable worker's stream is exhausted
+
+
+class _ShmLoaderIter(_BaseDataLoaderIter):
+    def __init__(self, loader: ShmDataLoader) -> None:
+        super().__init__(loader)
+        self._prefetch_factor = loader.prefetch_factor
+        self._in_order = getattr(loader, "in_order", True)
+        self._shutdown = False
+        self._workers: list = []
+        self._channels: list[Channel] = []
+        self._ring: Ring | None = None
+        self._final_ring_stats: RingStats | None = None
+        self._batches = 0
+        self._epoch = 0
+        self._loader_ref = weakref.ref(loader)
+        context = loader.multiprocessing_context or torch.multiprocessing
+        start_method = context.get_start_method()
+        max_tasks = self._prefetch_factor * self._num_workers
+        self._ring = Ring(max_tasks + CONSUMER_SLOTS, loader.slot_bytes, loader.max_ring_slots)
+        self._release = self._ring.release_callback()
+        self._known_generation: list[dict[int, int]] = [{} for _ in range(self._num_workers)]
+
+        if self._auto_collation and self._collate_fn is torch_collate.default_collate:
+            mode = COLLATE_INTO_SLOT
+        elif not self._auto_collation and self._collate_fn is torch_collate.default_convert:
+            mode = COLLATE_CONVERT
+        else:
+            mode = COLLATE_CUSTOM
+        payload = Shipped((self._dataset, self._collate_fn if mode == COLLATE_CUSTOM else None,
+                           loader.worker_init_fn))
+        try:
+            for worker_id in range(self._num_workers):
+                channel, child_sock = Channel.pair()
+                self._channels.append(channel)
+                spec = WorkerSpec(
+                    worker_id=worker_id, num_workers=self._num_workers, base_seed=self._base_seed,
+                    dataset_kind=self._dataset_kind, auto_collation=self._auto_collation,
+                    collate_mode=mode, drop_last=self._drop_last, payload=payload,
+                    main_pid=os.getpid(), forked=start_method == "fork",
+                    ring_depth=self._ring.depth,
+                )
+                process = context.Process(target=worker_main, args=(spec, child_sock),
+                                          name=f"shmloader-worker-{worker_id}", daemon=True)
+                try:
+                    process.start()
+                finally:
+                    child_sock.close()
+                self._workers.append(process)
+        except BaseException:
+            self._shutdown_workers()
+            raise
+        self._reset(loader, first_iter=True)
+
+    # -- epochs ------------------------------------------------------------------------------------
+
+    def _reset(self, loader, first_iter=False) -> None:
+        super()._reset(loader, first_iter)
+        self._send_idx = 0
+        self._rcvd_idx = 0
+        self._task_info: dict[int, tuple] = {}
+        self._tasks_outstanding = 0
+        self._deferred_puts = 0
+        self._workers_status = [True] * self._num_workers
+        self._workers_num_tasks = [0] * self._num_workers
+        self._worker_queue_idx_cycle = itertools.cycle(range(self._num_workers))
+        if not first_iter:
+            self._epoch += 1
+            for channel in self._channels:
+                channel.send(("resume", self._epoch))
+            self._resumed = 0
+            while self._resumed < self._num_workers:
+                self._wait_for_event()  # stale results of the last epoch free their slots here
+        for _ in range(self._prefetch_factor * self._num_workers):
+            self._try_put_index()
+
+    # -- dispatch ----------------------------------------------------------------------------------
+
+    def _try_put_index(self, force: bool = False) -> None:
+        max_tasks = self._prefetch_factor * self._num_workers
+        assert self._tasks_outstanding < max_tasks, "more tasks outstanding than prefetch allows"
+        ring = self._ring
+        slot = ring.require_free_slot(ring.held()) if force else ring.take_free_slot()
+        if slot is None:
+            self._deferred_puts += 1  # retried as soon as a batch is released
+            return
+        try:
+            index = self._next_index()
+        except StopIteration:
+            ring.unassign(slot)
+            return
+        for _ in range(self._num_workers):  # the next active worker, as torch picks it
+            worker_id = next(self._worker_queue_idx_cycle)
+            if self._workers_status[worker_id]:
+                if self._in_order:
+                    break
+                if self._workers_num_tasks[worker_id] < max_tasks // sum(self._workers_status):
+                    break
+        else:
+            ring.unassign(slot)
+            return
+        self._dispatch(worker_id, self._send_idx, index, slot)
+        self._task_info[self._send_idx] = (worker_id, slot)
+        self._workers_num_tasks[worker_id] += 1
+        self._tasks_outstanding += 1
+        self._send_idx += 1
+
+    def _dispatch(self, worker_id: int, idx: int, index, slot: int) -> None:
+        generation, capacity = self._ring.task_geometry(slot)
+        fds: tuple[int, ...] = ()
+        if capacity and self._known_generation[worker_id].get(slot) != generation:
+            fds = (self._ring.fd(slot),)
+            self._known_generation[worker_id][slot] = generation
+        self._channels[worker_id].send(("task", self._epoch, idx, index, slot, generation, capacity), fds)
+
+    def _put_deferred(self) -> None:
+        self._ring.collect_released()
+        while self._deferred_puts and (self._ring.has_free_slot() or self._ring.may_grow()):
+            self._deferred_puts -= 1
+            self._try_put_index()
+
+    # -- the next batch ------------------------------------------------------------------------------
+
+    def _next_data(self):
+        try:
+            return self._next_data_inner()
+        except KeyboardInterrupt:
+            self._shutdown_workers()
+            raise
+
+    def _next_data_inner(self):
+        while True:
+            self._put_deferred()
+            while self._rcvd_idx < self._send_idx:
+                info = self._task_info.get(self._rcvd_idx)
+                if info:
+                    worker_id = info[0]
+                    if len(info) == 3 or self._workers_status[worker_id]:
+                        break
+                    del self._task_info[self._rcvd_idx]
+                self._rcvd_idx += 1
+            else:
+                if self._deferred_puts:  # batches remain, but every slot is held by the user
+                    self._deferred_puts -= 1
+                    self._try_put_index(force=True)
+                    continue
+                if not self._persistent_workers:
+                    self._shutdown_workers()
+                raise StopIteration
+
+            if len(self._task_info[self._rcvd_idx]) == 3:
+                worker_id, _slot, data = self._task_info.pop(self._rcvd_idx)
+                self._rcvd_idx += 1
+                return self._process_data(data, worker_id)
+
+            if self._tasks_outstanding <= 0:
+                raise SlotProtocolError("batch awaited with no task outstanding (loader state is corrupt)")
+            idx, worker_id, data = self._wait_for_event()
+            self._tasks_outstanding -= 1
+            if data is _END:
+                self._workers_status[worker_id] = False
+                self._try_put_index()
+                continue
+            if idx != self._rcvd_idx:
+                if not self._in_order:
+                    worker_id = self._task_info.pop(idx)[0]
+                    return self._process_data(data, worker_id)
+                self._task_info[idx] += (data,)
+            else:
+                worker_id = self._task_info.pop(idx)[0]
+                self._rcvd_idx += 1
+                return self._process_data(data, worker_id)
+
+    def _process_data(self, data, worker_id: int):
+        self._workers_num_tasks[worker_id] -= 1
+        self._try_put_index()
+        if isinstance(data, _Failure):
+            data.reraise()
+        self._batches += 1
+        return data
+
+    # -- waiting on workers ----------------------------------------------------------------------
+
+    def _wait_for_event(self):
+        """Block (in bounded slices) until a worker reports a result of this epoch; return
+        (idx, worker_id, batch | _Failure | _END).  Raises on a dead worker or on `timeout`."""
+        deadline = time.monotonic() + self._timeout if self._timeout > 0 else None
+        channel_of = {channel.fileno(): (worker_id, channel) for worker_id, channel in enumerate(self._channels)}
+        sentinel_of = {process.sentinel: worker_id for worker_id, process in enumerate(self._workers)}
+        while True:
+            wait = POLL_SECONDS if deadline is None else max(0.0, min(POLL_SECONDS, deadline - time.monotonic()))
+            ready = mp_connection.wait(list(channel_of) + list(sentinel_of), timeout=wait)
+            for fd in ready:
+                if fd in channel_of:
+                    worker_id, channel = channel_of[fd]
+                    message, fds = channel.recv()
+                    event = self._handle(worker_id, message, fds)
+                    if event is not None:
+                        return event
+            for fd in ready:
+                if fd in sentinel_of and fd not in channel_of:
+                    self._worker_died(sentinel_of[fd])
+            if deadline is not None and time.monotonic() >= deadline:
+                waiting_on = self._task_info.get(self._rcvd_idx, (None,))[0]
+                self._shutdown_workers()
+                raise LoaderTimeoutError(
+                    f"DataLoader timed out after {self._timeout} seconds waiting for batch "
+                    f"{self._rcvd_idx} (worker {waiting_on}); the loader has been shut down"
+                )
+
+    def _handle(self, worker_id: int, message: tuple, fds: list[int]):
+        kind = message[0]
+        if kind == "resumed":
+            self._resumed += 1
+            return None
+        epoch, idx, slot = message[1], message[2], message[3]
+        if kind == "ready":
+            generation, capacity = message[4], message[5]
+            if fds:
+                self._ring.adopt(slot, fds[0], capacity, generation)
+                self._known_generation[worker_id][slot] = generation
+            if epoch != self._epoch:
+                self._ring.unassign(slot)
+                return None
+            lease, descriptor, payload_end = self._ring.lease(slot, idx, self._release)
+            batch = layout.read_batch(lease, descriptor, payload_end)
+            return idx, worker_id, batch
+        self._ring.unassign(slot)
+        if epoch != self._epoch:
+            return None
+        if kind == "end":
+            return idx, worker_id, _END
+        if kind == "error":
+            stage, payload = message[4], message[5]
+            return idx, worker_id, _Failure(worker_id, self._workers[worker_id].pid, idx, stage, payload)
+        raise SlotProtocolError(f"unknown message {kind!r} from worker {worker_id}")
+
+    def _worker_died(self, worker_id: int):
+        process = self._workers[worker_id]
+        process.join(timeout=1.0)
+        doing = [f"producing batch {idx}" for idx, info in self._task_info.items() if info[0] == worker_id and len(info) == 2]
+        error = WorkerDiedError(worker_id, process.pid, process.exitcode, doing[0] if doing else "")
+        self._shutdown_workers()
+        raise error
+
+    # -- statistics and shutdown -----------------------------------------------------------------
+
+    def stats(self) -> LoaderStats:
+        ring_stats = self._final_ring_stats or self._ring.stats()
+        return LoaderStats(
+            ring_slots=ring_stats.slots, slot_bytes=ring_stats.slot_bytes,
+            ring_bytes=ring_stats.ring_bytes, ring_grows=ring_stats.ring_grows,
+            slot_grows=ring_stats.slot_grows, batches=self._batches,
+            control_bytes=sum(c.bytes_sent + c.bytes_received for c in self._channels),
+            control_messages=sum(c.messages_sent + c.messages_received for c in self._channels),
+        )
+
+    def _shutdown_workers(self) -> None:
+        """See NOTE [ Shutdown ]."""
+        if self._shutdown:
+            return
+        self._shutdown = True
+        try:
+            for channel in self._channels:
+                try:
+                    channel.send(("stop",))
+                except OSError:
+                    pass
+            deadline = time.monotonic() + STOP_GRACE_SECONDS
+            for process in self._workers:
+                process.join(timeout=max(0.0, deadline - time.monotonic()))
+            for process in self._workers:
+                if process.is_alive():
+                    process.terminate()
+            for process in self._workers:
+                process.join(timeout=2.0)
+                if process.is_alive():
+                    process.kill()
+                    process.join()
+        finally:
+            for channel in self._channels:
+                channel.close()
+            for process in self._workers:
+                try:
+                    process.close()
+                except ValueError:
+                    pass
+            if self._ring is not None:
+                self._final_ring_stats = self._ring.stats()
+                self._ring.close()
+            loader = self._loader_ref()
+            if loader is not None:
+                loader._final_stats = self.stats()
+
+    def __del__(self) -> None:
+        try:
+            self._shutdown_workers()
+        except Exception:
+            pass

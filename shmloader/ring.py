@@ -1,0 +1,321 @@
+"""The ring: the main process's set of shared-memory slots, and the policy that sizes it.
+
+NOTE [ Slot lifecycle ]
+  A slot is one POSIX shared-memory segment.  Its name exists only for the instant between
+  shm_open and shm_unlink inside `create_segment`: processes share it by passing the fd over
+  their control socket (SCM_RIGHTS), so no crash of any process can leave an entry behind in
+  /dev/shm.  Its pages are reserved with posix_fallocate when it is created, so a /dev/shm that
+  is too small is a ShmCapacityError then, never a SIGBUS in a worker later.
+
+  main: free ──dispatch──▶ worker k: claim (WRITING) ──publish──▶ READY ──main: acquire──▶ LEASED
+          ▲                                                                              │
+          └──────────────── the SlotLease dies (last view of the batch freed) ───────────┘
+
+  The main process decides every transition but the worker's claim/publish; the header's state
+  word (csrc/ring.h) mirrors it so that each side can check the other.  A slot is handed to a
+  worker only when free, so a batch the user still holds is never overwritten.  A worker that
+  needs more room than its slot has creates a larger segment itself (generation + 1), writes the
+  batch there and passes the fd back with its result; the main process adopts it in place of the
+  old one.  A worker that dies while writing leaves its slot WRITING; the main process resets it.
+
+NOTE [ Ring size ]
+  depth = num_workers × prefetch_factor (batches in flight, as torch counts them) + CONSUMER_SLOTS
+  (batches the training loop holds: the one in use and the one being fetched).  When the user
+  holds more, the ring adds slots up to `max_slots` (default 2 × depth) and then raises
+  RingFullError rather than wait for a release that may never come.  Slot size is learnt from the
+  first batch (plus headroom) unless `slot_bytes` is given; a larger batch grows only its slot.
+"""
+
+from __future__ import annotations
+
+import errno
+import gc
+import os
+import secrets
+import warnings
+from collections import deque
+from dataclasses import dataclass
+
+import posix_ipc
+
+from . import _ring
+from .errors import RingFullError, ShmCapacityError, SlotProtocolError
+from .ownership import register_parent_only
+
+SHM_DIR = "/dev/shm"
+PAGE = os.sysconf("SC_PAGE_SIZE")
+CONSUMER_SLOTS = 2
+MIN_HEADROOM = 64 * 1024
+
+_FREE, _DISPATCHED, _READY, _LEASED = "free", "dispatched", "ready", "leased"
+
+
+def page_round(nbytes: int) -> int:
+    return (nbytes + PAGE - 1) // PAGE * PAGE
+
+
+def shm_free_bytes(path: str = SHM_DIR) -> int:
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
+
+
+def grown_capacity(needed: int, current: int) -> int:
+    """Capacity for a slot that must hold `needed` bytes: headroom of 1/8 (at least 64 KiB) for
+    variable-size batches, and at least 1.5 × the current size so repeated growth stays rare."""
+    return page_round(max(needed + max(needed // 8, MIN_HEADROOM), current + current // 2))
+
+
+def create_segment(capacity: int, generation: int, what: str = "a ring slot") -> _ring.Segment:
+    """A new, reserved, mapped and already-unlinked slot segment of `capacity` bytes."""
+    capacity = page_round(max(capacity, _ring.HEADER_BYTES))
+    free = shm_free_bytes()
+    name = "/shmloader-" + secrets.token_hex(16)
+    mem = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=0o600)
+    try:
+        fd = os.dup(mem.fd)
+    finally:
+        mem.close_fd()
+        mem.unlink()
+    try:
+        os.ftruncate(fd, capacity)
+        _ring.reserve(fd, capacity)
+        segment = _ring.Segment(fd, capacity)
+    except OSError as exc:
+        os.close(fd)
+        if exc.errno in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG):
+            raise ShmCapacityError(capacity, free, SHM_DIR, what) from exc
+        raise
+    segment.init_header(generation)
+    return segment
+
+
+@dataclass(frozen=True)
+class RingStats:
+    slots: int
+    allocated_slots: int
+    slot_bytes: int
+    ring_bytes: int
+    ring_grows: int
+    slot_grows: int
+
+
+class Ring:
+    """Slots owned by the main process (see NOTE [ Slot lifecycle ])."""
+
+    def __init__(self, depth: int, slot_bytes: int | None = None, max_slots: int | None = None):
+        if depth < 1:
+            raise ValueError(f"ring depth must be >= 1, got {depth}")
+        self.max_slots = max(max_slots if max_slots is not None else 2 * depth, depth)
+        self.slot_bytes = page_round(slot_bytes) if slot_bytes else None
+        self._segments: list[_ring.Segment | None] = [None] * depth
+        self._generations = [0] * depth
+        self._states = [_FREE] * depth
+        self._free: deque[int] = deque(range(depth))
+        # Appended by SlotLease deallocation, from whichever thread dropped the last view.
+        self._released: deque[tuple[int, int]] = deque()
+        self._ring_grows = 0
+        self._slot_grows = 0
+        self._closed = False
+        register_parent_only(self)
+        if self.slot_bytes is not None:
+            self._reserve(range(depth))
+
+    # -- sizing --------------------------------------------------------------------------
+
+    def _reserve(self, slots) -> None:
+        """Create the segments of `slots` at `slot_bytes`, checking the total fits first."""
+        slots = [s for s in slots if self._segments[s] is None]
+        if not slots or self.slot_bytes is None:
+            return
+        needed = len(slots) * self.slot_bytes
+        free = shm_free_bytes()
+        what = f"the ring ({len(slots)} slots of {self.slot_bytes} bytes)"
+        if needed > free:
+            raise ShmCapacityError(needed, free, SHM_DIR, what)
+        for s in slots:
+            self._segments[s] = create_segment(self.slot_bytes, self._generations[s], what)
+
+    def _add_slot(self) -> int:
+        slot = len(self._segments)
+        self._segments.append(None)
+        self._generations.append(0)
+        self._states.append(_FREE)
+        self._ring_grows += 1
+        self._reserve([slot])
+        return slot
+
+    @property
+    def depth(self) -> int:
+        return len(self._segments)
+
+    # -- the main process's side of the lifecycle ------------------------------------------
+
+    def take_free_slot(self, may_grow: bool = True) -> int | None:
+        """A free slot for the next task, growing the ring if allowed; None if there is none."""
+        self.collect_released()
+        if not self._free and may_grow and self.depth < self.max_slots:
+            self._free.append(self._add_slot())
+        if not self._free:
+            return None
+        slot = self._free.popleft()
+        self._states[slot] = _DISPATCHED
+        return slot
+
+    def require_free_slot(self, held: int) -> int:
+        """Like take_free_slot, but the loop would otherwise wait forever: collect garbage once,
+        then raise RingFullError naming the counts."""
+        slot = self.take_free_slot()
+        if slot is None:
+            gc.collect()
+            slot = self.take_free_slot()
+        if slot is None:
+            raise RingFullError(
+                f"the training loop holds {held} batches, which fill all {self.depth} slots of the "
+                f"ring (max_ring_slots={self.max_slots}); release batches you no longer need "
+                "(del them, or copy what you keep with .clone()) or pass a larger max_ring_slots"
+            )
+        return slot
+
+    def unassign(self, slot: int) -> None:
+        """A dispatched slot came back unused (end of an iterable stream, an error, a reset)."""
+        segment = self._segments[slot]
+        if segment is not None:
+            segment.release()
+        self._states[slot] = _FREE
+        self._free.append(slot)
+
+    def task_geometry(self, slot: int) -> tuple[int, int]:
+        """(generation, capacity) of a slot as a worker must see it; capacity 0: not allocated."""
+        segment = self._segments[slot]
+        return self._generations[slot], (segment.size if segment is not None else 0)
+
+    def fd(self, slot: int) -> int:
+        segment = self._segments[slot]
+        if segment is None:
+            raise SlotProtocolError(f"slot {slot} has no segment to pass to a worker")
+        return segment.fd
+
+    def adopt(self, slot: int, fd: int, capacity: int, generation: int) -> None:
+        """Take over the larger segment a worker created for `slot` (see NOTE [ Slot lifecycle ])."""
+        if self._states[slot] != _DISPATCHED:
+            os.close(fd)
+            raise SlotProtocolError(f"a worker grew slot {slot}, which is {self._states[slot]}, not dispatched")
+        if generation != self._generations[slot] + 1:
+            os.close(fd)
+            raise SlotProtocolError(
+                f"slot {slot} came back at generation {generation}, expected {self._generations[slot] + 1}"
+            )
+        segment = _ring.Segment(fd, capacity)
+        old = self._segments[slot]
+        self._segments[slot] = segment
+        self._generations[slot] = generation
+        if old is not None:
+            self._slot_grows += 1
+            old.close_fd()
+        if self.slot_bytes is None:
+            self.slot_bytes = capacity
+            free_unallocated = [s for s in self._free if self._segments[s] is None]
+            self._reserve(free_unallocated)
+        elif capacity > self.slot_bytes:
+            self.slot_bytes = capacity
+
+    def lease(self, slot: int, sequence: int, on_release) -> tuple[_ring.SlotLease, bytes, int]:
+        """Validate a slot a worker reported ready for batch `sequence`; returns its lease, the
+        descriptor bytes and the payload end."""
+        segment = self._segments[slot]
+        if segment is None or self._states[slot] != _DISPATCHED:
+            raise SlotProtocolError(f"slot {slot} reported ready but it is {self._states[slot]}")
+        magic, version, state, capacity, generation, _writer, seq, desc_bytes, payload_end = segment.header()
+        if magic != _ring.MAGIC or version != _ring.VERSION:
+            raise SlotProtocolError(
+                f"slot {slot} has magic {magic:#x} version {version}; expected {_ring.MAGIC:#x} "
+                f"version {_ring.VERSION} (a foreign or stale segment)"
+            )
+        if generation != self._generations[slot] or capacity != segment.size:
+            raise SlotProtocolError(
+                f"slot {slot} header says generation {generation}, capacity {capacity}; "
+                f"the ring has generation {self._generations[slot]}, capacity {segment.size}"
+            )
+        if seq != sequence:
+            raise SlotProtocolError(f"slot {slot} holds batch {seq}, expected batch {sequence}")
+        if _ring.HEADER_BYTES + desc_bytes > payload_end or payload_end > capacity:
+            raise SlotProtocolError(
+                f"slot {slot} descriptor of {desc_bytes} bytes / payload end {payload_end} "
+                f"lie outside its {capacity} bytes"
+            )
+        found = segment.acquire()
+        if found != _ring.READY:
+            raise SlotProtocolError(f"slot {slot} is in state {found}, not READY")
+        self._states[slot] = _LEASED
+        descriptor = segment.read(_ring.HEADER_BYTES, desc_bytes)
+        return _ring.SlotLease(segment, slot, generation, sequence, on_release), descriptor, payload_end
+
+    def release_callback(self):
+        """What a SlotLease calls when it dies: a thread-safe append, nothing else."""
+        return self._released.append
+
+    def collect_released(self) -> int:
+        n = 0
+        while self._released:
+            slot, generation = self._released.popleft()
+            if self._closed or generation != self._generations[slot] or self._states[slot] != _LEASED:
+                continue
+            segment = self._segments[slot]
+            if segment is not None:
+                segment.release()
+            self._states[slot] = _FREE
+            self._free.append(slot)
+            n += 1
+        return n
+
+    def has_free_slot(self) -> bool:
+        return bool(self._free)
+
+    def may_grow(self) -> bool:
+        return not self._closed and self.depth < self.max_slots
+
+    def held(self) -> int:
+        return sum(1 for s in self._states if s == _LEASED)
+
+    def segments(self) -> list[_ring.Segment]:
+        return [s for s in self._segments if s is not None]
+
+    def stats(self) -> RingStats:
+        allocated = self.segments()
+        return RingStats(
+            slots=self.depth,
+            allocated_slots=len(allocated),
+            slot_bytes=self.slot_bytes or 0,
+            ring_bytes=sum(s.size for s in allocated),
+            ring_grows=self._ring_grows,
+            slot_grows=self._slot_grows,
+        )
+
+    # -- teardown ----------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Close every fd and drop the ring's references; a slot's memory is unmapped when the
+        last view of its batch is gone (at once for slots the user does not hold)."""
+        if self._closed:
+            return
+        self._closed = True
+        for segment in self._segments:
+            if segment is not None:
+                segment.close_fd()
+        self._segments = [None] * len(self._segments)
+        self._free.clear()
+        self._released.clear()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def close_in_child(self) -> None:
+        for segment in self._segments:
+            if segment is not None:
+                segment.close_fd()
+
+    def __del__(self) -> None:
+        if not getattr(self, "_closed", True):
+            warnings.warn(f"unclosed shmloader Ring of {len(self._segments)} slots", ResourceWarning, stacklevel=2)
+            self.close()

@@ -1,0 +1,301 @@
+"""The worker process: fetch samples, collate them straight into a ring slot, report a few ints.
+
+One worker's loop (NOTE [ Slot lifecycle ] in ring.py has the slot's side):
+
+    recv task (epoch, batch n, indices, slot s [+ fd of s when new to this worker])
+      → fetch    dataset[i] for i in indices (or the next items of its iterable stream)
+      → collate  default: torch's collate with rows written straight into the slot
+                 custom:  collate_fn(samples), array leaves copied once into the slot
+      → layout   descriptor + aligned leaf offsets; a slot too small is replaced by a larger
+                 segment that this worker creates (its fd travels back with the result)
+      → write    claim s, copy (GIL released, in C), publish s
+    send ("ready", epoch, n, s, generation, capacity)
+
+Seeding, `get_worker_info()` and the fetchers are torch's own, so datasets that shard themselves
+or draw random numbers behave exactly as under torch's DataLoader.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import os
+import pickle
+import random
+import select
+import signal
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from multiprocessing.reduction import ForkingPickler
+from torch.utils.data._utils import collate as torch_collate
+from torch.utils.data._utils import worker as torch_worker
+
+from . import layout
+from .channel import Channel, ChannelClosed
+from .errors import SlotProtocolError
+from .ownership import close_parent_only_in_child
+from .ring import create_segment, grown_capacity
+
+# How the batch is built in the worker.
+COLLATE_INTO_SLOT = "slot"  # collate_fn is torch's default_collate: rows written in place
+COLLATE_CONVERT = "convert"  # collate_fn is torch's default_convert (batch_size=None)
+COLLATE_CUSTOM = "custom"  # the user's collate_fn, output copied once
+
+
+class Shipped:
+    """An object that crosses to a spawned worker as bytes and is unpickled there, inside the
+    worker's error handling, so a dataset that fails to unpickle is reported with its stage."""
+
+    def __init__(self, obj: Any):
+        self._obj = obj
+        self._blob: bytes | None = None
+
+    def __reduce__(self):
+        return (Shipped._from_blob, (bytes(ForkingPickler.dumps(self._obj)),))
+
+    @classmethod
+    def _from_blob(cls, blob: bytes) -> Shipped:
+        shipped = cls.__new__(cls)
+        shipped._obj, shipped._blob = None, blob
+        return shipped
+
+    def load(self) -> Any:
+        if self._blob is not None:
+            self._obj, self._blob = pickle.loads(self._blob), None
+        return self._obj
+
+
+@dataclass
+class WorkerSpec:
+    worker_id: int
+    num_workers: int
+    base_seed: int
+    dataset_kind: int
+    auto_collation: bool
+    collate_mode: str
+    drop_last: bool
+    payload: Shipped  # (dataset, collate_fn, worker_init_fn)
+    main_pid: int
+    forked: bool
+    ring_depth: int
+
+
+def exception_payload(exc: BaseException) -> tuple:
+    """What the main process needs to re-raise a worker's exception: the pickled exception if it
+    pickles, its type, message and formatted traceback."""
+    text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    try:
+        blob = pickle.dumps(exc, protocol=pickle.HIGHEST_PROTOCOL)
+        pickle.loads(blob)
+    except Exception:
+        blob = None
+    return (blob, f"{type(exc).__module__}.{type(exc).__qualname__}", str(exc), text)
+
+
+def _collate_tensors_without_shm(batch, *, collate_fn_map=None):
+    """torch's collate_tensor_fn minus its per-batch shared-memory segment (FACTS.md): inside our
+    workers the stacked batch is copied into a slot anyway, so a plain stack is enough."""
+    elem = batch[0]
+    if elem.is_nested or elem.layout != torch.strided:
+        return _TORCH_COLLATE_TENSOR(batch, collate_fn_map=collate_fn_map)
+    return torch.stack(batch, 0)
+
+
+_TORCH_COLLATE_TENSOR = torch_collate.default_collate_fn_map[torch.Tensor]
+
+
+def _watch_main_process(main_pid: int) -> None:
+    """Exit this worker within a second of the main process's death, even mid-__getitem__."""
+    try:
+        pidfd = os.pidfd_open(main_pid)
+    except (AttributeError, OSError):
+        pidfd = None
+    while True:
+        if pidfd is not None:
+            readable, _, _ = select.select([pidfd], [], [], 1.0)
+            if readable:
+                os._exit(1)
+        else:
+            time.sleep(0.5)
+            try:
+                os.kill(main_pid, 0)
+            except ProcessLookupError:
+                os._exit(1)
+
+
+def worker_main(spec: WorkerSpec, sock) -> None:
+    """Entry point of a worker process (any start method)."""
+    if spec.forked:
+        close_parent_only_in_child()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the main process's to handle
+    faulthandler.enable()
+    threading.Thread(target=_watch_main_process, args=(spec.main_pid,), daemon=True,
+                     name="shmloader-parent-watch").start()
+    channel = Channel(sock)
+    try:
+        _Worker(spec, channel).run()
+    except (ChannelClosed, BrokenPipeError, ConnectionResetError):
+        pass  # the main process went away or closed us: nothing left to report to
+    finally:
+        channel.close()
+
+
+class _Worker:
+    def __init__(self, spec: WorkerSpec, channel: Channel):
+        self.spec = spec
+        self.channel = channel
+        self.segments: dict[int, tuple[int, Any]] = {}  # slot -> (generation, Segment)
+        self.init_error: tuple | None = None
+        self.ended = False
+        self.fetcher = None
+
+    # -- start-up, as torch's worker loop does it ------------------------------------------------
+
+    def _start(self) -> None:
+        spec = self.spec
+        torch.set_num_threads(1)
+        seed = spec.base_seed + spec.worker_id
+        random.seed(seed)
+        torch.manual_seed(seed)
+        import numpy as np
+
+        np.random.seed(torch_worker._generate_state(spec.base_seed, spec.worker_id))
+        torch_collate.default_collate_fn_map[torch.Tensor] = _collate_tensors_without_shm
+        stage = "unpickling the dataset, collate_fn and worker_init_fn"
+        try:
+            self.dataset, self.collate_fn, init_fn = spec.payload.load()
+            torch_worker._worker_info = torch_worker.WorkerInfo(
+                id=spec.worker_id, num_workers=spec.num_workers, seed=seed, dataset=self.dataset
+            )
+            stage = "running worker_init_fn"
+            if init_fn is not None:
+                init_fn(spec.worker_id)
+            stage = "starting the dataset (creating its iterator)"
+            self._new_fetcher()
+        except Exception as exc:
+            self.init_error = (stage, exception_payload(exc))
+
+    def _new_fetcher(self) -> None:
+        from torch.utils.data.dataloader import _DatasetKind
+
+        self.ended = False
+        self.fetcher = _DatasetKind.create_fetcher(
+            self.spec.dataset_kind, self.dataset, self.spec.auto_collation, _identity, self.spec.drop_last
+        )
+
+    # -- the loop ---------------------------------------------------------------------------------
+
+    def run(self) -> None:
+        self._start()
+        while True:
+            message, fds = self.channel.recv()
+            kind = message[0]
+            if kind == "task":
+                self._task(message, fds)
+            elif kind == "resume":
+                if self.init_error is None:
+                    try:
+                        self._new_fetcher()
+                    except Exception as exc:
+                        self.init_error = ("starting the dataset (creating its iterator)", exception_payload(exc))
+                self.channel.send(("resumed", message[1]))
+            elif kind == "stop":
+                return
+            else:
+                raise SlotProtocolError(f"worker {self.spec.worker_id} got unknown message {kind!r}")
+
+    def _attach(self, slot: int, generation: int, capacity: int, fds: list[int]):
+        """The worker's mapping of `slot`, checked against what the main process says it is."""
+        if fds:
+            from ._ring import Segment
+
+            segment = Segment(fds[0], capacity)
+            segment.close_fd()
+            for extra in fds[1:]:
+                os.close(extra)
+            self.segments[slot] = (generation, segment)
+        if capacity == 0:
+            return None
+        known = self.segments.get(slot)
+        if known is None or known[0] != generation:
+            raise SlotProtocolError(
+                f"worker {self.spec.worker_id} was given slot {slot} generation {generation} "
+                f"without its segment (it knows generation {known[0] if known else None})"
+            )
+        segment = known[1]
+        magic, version, _state, cap, gen, *_ = segment.header()
+        if magic != layout._ring.MAGIC or version != layout._ring.VERSION or cap != capacity or gen != generation:
+            raise SlotProtocolError(
+                f"worker {self.spec.worker_id} refuses slot {slot}: header says magic {magic:#x} "
+                f"version {version} capacity {cap} generation {gen}, the task says capacity "
+                f"{capacity} generation {generation}"
+            )
+        return segment
+
+    def _task(self, message: tuple, fds: list[int]) -> None:
+        _, epoch, idx, index, slot, generation, capacity = message
+        spec = self.spec
+        stage = "attaching its slot"
+        try:
+            segment = self._attach(slot, generation, capacity, fds)
+            if self.init_error is not None:
+                stage, payload = self.init_error
+                self.channel.send(("error", epoch, idx, slot, stage, payload))
+                return
+            if self.ended:
+                self.channel.send(("end", epoch, idx, slot))
+                return
+            stage = "fetching samples (dataset __getitem__ / __iter__)"
+            try:
+                samples = self.fetcher.fetch(index)
+            except StopIteration:
+                from torch.utils.data.dataloader import _DatasetKind
+
+                if spec.dataset_kind != _DatasetKind.Iterable:
+                    raise
+                self.ended = True
+                self.channel.send(("end", epoch, idx, slot))
+                return
+            stage = "collating the batch (collate_fn)"
+            if spec.collate_mode == COLLATE_INTO_SLOT:
+                batch = layout.collate_into_slot(samples)
+            elif spec.collate_mode == COLLATE_CONVERT:
+                batch = torch_collate.default_convert(samples)
+            else:
+                batch = self.collate_fn(samples)
+            del samples
+            stage = "laying out the batch"
+            plan = layout.plan_batch(batch)
+            stage = "writing the batch into its slot"
+            grown = None
+            if segment is None or plan.total_bytes > segment.size:
+                current = segment.size if segment is not None else 0
+                grown = create_segment(
+                    grown_capacity(plan.total_bytes, current), generation + 1,
+                    f"slot {slot} of the ring ({spec.ring_depth} slots)",
+                )
+                segment, generation = grown, generation + 1
+            found = segment.claim(spec.worker_id, idx)
+            if found != layout._ring.FREE:
+                raise SlotProtocolError(f"worker {spec.worker_id} found slot {slot} in state {found}, not FREE")
+            layout.write_batch(segment, plan)
+            segment.publish(len(plan.descriptor), plan.total_bytes)
+            del batch, plan
+            if grown is not None:
+                self.channel.send(("ready", epoch, idx, slot, generation, segment.size), (grown.fd,))
+                grown.close_fd()
+                self.segments[slot] = (generation, grown)  # known to the main process only now
+            else:
+                self.channel.send(("ready", epoch, idx, slot, generation, segment.size))
+        except (ChannelClosed, BrokenPipeError, ConnectionResetError):
+            raise
+        except Exception as exc:
+            self.channel.send(("error", epoch, idx, slot, stage, exception_payload(exc)))
+
+
+def _identity(samples):
+    return samples

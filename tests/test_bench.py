@@ -1,0 +1,347 @@
+"""The benchmark harness's own logic: workload shapes, the arithmetic, the JSON schema, the CLI.
+
+Runs on 2 cores without a GPU in little memory; ``--quick`` end to end is the last test.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from bench import __main__ as cli
+from bench import report, stats
+from bench.measure import MemWatch, leaves, read_all, shm_entries, touch
+from bench.transports import all_transports, make_loader, time_memcpy
+from bench.workloads import (
+    MiB,
+    Point,
+    parse_size,
+    seed001_points,
+    size_label,
+    small_points,
+    transport_points,
+    vision_points,
+)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _nbytes(batch) -> int:
+    return sum(x.nbytes if isinstance(x, np.ndarray) else x.numel() * x.element_size()
+               for x in leaves(batch))
+
+
+# ---------------------------------------------------------------------------------------------
+# workloads
+
+
+@pytest.mark.timeout(30)
+def test_seed001_items_are_as_posted():
+    (large,) = seed001_points(["large"], [2])
+    (small,) = seed001_points(["small"], [0])
+    assert large.batch_size == 128 and large.consumer == "step"
+    assert large.batch_bytes == 128 * 1000 * 150 * 8  # 153.6 MB, the "~150 MB" of DESIGN.md
+    assert small.batch_bytes == 128 * 10 * 150 * 8
+    assert large.loader_kwargs() == {
+        "batch_size": 128, "num_workers": 2, "prefetch_factor": 4, "persistent_workers": True
+    }
+    assert small.loader_kwargs() == {"batch_size": 128, "num_workers": 0}
+    item = next(iter(small.dataset()))
+    assert item.shape == (10, 150) and item.dtype == np.float64
+    recs = [item] * 3
+    assert small.collate("numpy")(recs) is recs  # the posted collate_fn returns the records
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("make", [
+    lambda: transport_points([1 * MiB, 64 * 1024], consumers=["touch"]),
+    lambda: small_points(),
+    lambda: vision_points(consumers=["read"]),
+])
+def test_batch_bytes_match_what_the_collates_make(make):
+    for p in make():
+        ds = p.dataset()
+        assert len(ds) == (p.warmup + p.batches) * p.batch_size
+        samples = [ds[i] for i in range(p.batch_size)]
+        for kind in ("numpy", "default"):
+            batch = p.collate(kind)(samples)
+            assert _nbytes(batch) == p.batch_bytes, (p.key, kind)
+
+
+@pytest.mark.timeout(30)
+def test_vision_batches_keep_their_structure():
+    (p,) = vision_points(consumers=["touch"])
+    ds = p.dataset()
+    samples = [ds[i] for i in range(4)]
+    assert samples[1]["image"].shape == (3, 224, 224) and samples[1]["image"].dtype == np.uint8
+    b = p.collate("default")(samples)
+    assert b["image"].dtype == torch.uint8 and b["image"].shape == (4, 3, 224, 224)
+    assert b["label"].tolist() == [0, 1, 2, 3] and b["name"][2] == "img_00000002.jpg"
+    n = p.collate("numpy")(samples)
+    assert isinstance(n["image"], np.ndarray) and n["label"].dtype == np.int64
+
+
+@pytest.mark.timeout(30)
+def test_timed_batches_drain_the_prefetch():
+    for p in transport_points([1 * MiB, 256 * MiB], workers=[2, 4]) + vision_points([2]):
+        assert p.warmup > p.prefetched  # the clock starts once start-up's batches are used up
+        assert p.batches >= 8
+    big = transport_points([256 * MiB], consumers=["touch"])[0]
+    assert big.batches * big.batch_bytes <= 4 << 30  # keeps the 256 MiB runs short
+
+
+@pytest.mark.timeout(30)
+def test_sizes_parse_and_print():
+    assert parse_size("64M") == parse_size("64MiB") == 64 * MiB
+    assert parse_size("4k") == parse_size("4KiB") == 4096
+    assert parse_size("1048576") == MiB
+    assert size_label(256 * MiB) == "256MiB" and size_label(4096) == "4KiB"
+    assert size_label(1000) == "1000B"
+    with pytest.raises(ValueError):
+        transport_points([100])
+
+
+@pytest.mark.timeout(30)
+def test_point_collate_kind_is_checked():
+    (p,) = small_points()
+    with pytest.raises(ValueError, match="collate kind"):
+        p.collate("pickle")
+
+
+# ---------------------------------------------------------------------------------------------
+# arithmetic
+
+
+@pytest.mark.timeout(10)
+def test_median_and_summary():
+    assert stats.median([3, 1, 2]) == 2
+    assert stats.median([4, 1, 3, 2]) == 2.5
+    assert stats.summarize([2.0, None, 1.0, 5.0]) == {"median": 2.0, "min": 1.0, "max": 5.0, "n": 3}
+    assert stats.summarize([None, float("nan")]) is None
+    with pytest.raises(ValueError):
+        stats.median([])
+    s = stats.summarize_repeats([{"s_per_batch": 1.0, "gbps": 2.0}, {"s_per_batch": 3.0}])
+    assert s["s_per_batch"]["median"] == 2.0 and s["gbps"]["n"] == 1
+    assert "ttfb_s" not in s
+
+
+@pytest.mark.timeout(10)
+def test_ratios_are_reference_over_this():
+    med = {"torch-shm": 0.2, "torch-pickle": 1.0, "memcpy": 0.01, "shmloader": 0.05, "x": None}
+    r = stats.ratios(med)
+    assert r["shmloader"] == pytest.approx({"torch-shm": 4.0, "torch-pickle": 20.0, "memcpy": 0.2})
+    assert "torch-shm" not in r["torch-shm"]  # no ratio to itself
+    assert r["x"]["torch-shm"] is None
+    assert stats.speedup(1.0, 0.0) is None and stats.gbps(1e9, 0.5) == 2.0
+
+
+@pytest.mark.timeout(10)
+def test_seed_work_bound():
+    c = {"fetch_s": 0.4, "compute_s": 0.08, "copy_s": 0.02, "step_s": 0.05, "cores": 2}
+    assert stats.seed_work_bound(0, copies=0, **c) == pytest.approx(0.4 + 0.08 + 0.05)
+    assert stats.seed_work_bound(2, **c) == pytest.approx(0.5 / 2)  # workers' own latency
+    assert stats.seed_work_bound(8, **c) == pytest.approx(0.5 / 8)
+    many = dict(c, compute_s=0.5)
+    assert stats.seed_work_bound(16, **many) == pytest.approx(0.52 / 2)  # the cores are the limit
+    assert stats.seed_work_bound(100, **c) == pytest.approx(0.05)  # the train step is the limit
+
+
+# ---------------------------------------------------------------------------------------------
+# consumers and measurement pieces
+
+
+@pytest.mark.timeout(10)
+def test_consumers_read_what_is_there():
+    a = np.arange(10, dtype=np.float32)
+    batch = {"x": torch.from_numpy(a.copy()), "y": [a, "name"], "z": 3}
+    assert len(list(leaves(batch))) == 2
+    assert touch(batch) == 2 * (0 + 9)
+    raw = np.frombuffer(a.tobytes(), np.uint8)
+    expected = int(raw[:40].view(np.uint64).sum()) + 0  # 40 bytes = 5 words
+    assert read_all({"x": a}) == expected
+    odd = np.arange(11, dtype=np.uint8)
+    assert read_all([odd]) == int(odd[:8].view(np.uint64)[0]) + 8 + 9 + 10
+
+
+@pytest.mark.timeout(30)
+def test_memcpy_times_a_copy():
+    s = time_memcpy(4 * MiB, 1, min_seconds=0.01)
+    assert 0 < s < 1
+    if len(os.sched_getaffinity(0)) > 1:
+        assert 0 < time_memcpy(4 * MiB, 2, min_seconds=0.01) < 1
+
+
+@pytest.mark.timeout(60)
+def test_memwatch_sees_shared_memory():
+    import mmap
+
+    import posix_ipc
+
+    with MemWatch() as w:
+        w.start()
+        seg = posix_ipc.SharedMemory(f"/bench-test-{os.getpid()}", posix_ipc.O_CREX, size=16 * MiB)
+        try:
+            m = mmap.mmap(seg.fd, seg.size)
+            m.write(b"\1" * seg.size)  # fault every page in
+            import time
+
+            time.sleep(0.1)
+            got = w.stop()
+            m.close()
+        finally:
+            seg.close_fd()
+            seg.unlink()
+    assert got["peak_shm_bytes"] >= 15 * MiB
+    assert got["peak_mem_bytes"] >= 15 * MiB
+    assert got["max_procs"] >= 1
+
+
+@pytest.mark.timeout(60)
+def test_torch_transports_give_the_same_batches():
+    (p,) = transport_points([64 * 1024], consumers=["touch"])
+    t = all_transports()
+    pickled = next(iter(make_loader(t["torch-pickle"], p)))
+    shm = next(iter(make_loader(t["torch-shm"], p)))
+    assert isinstance(pickled, np.ndarray) and isinstance(shm, torch.Tensor)
+    assert np.array_equal(pickled, shm.numpy())
+
+
+# ---------------------------------------------------------------------------------------------
+# the document
+
+
+def _fake_doc() -> dict:
+    pts = []
+    for size in (MiB, 64 * MiB):
+        p = transport_points([size], consumers=["touch"])[0]
+        pdoc = {
+            "key": p.key, "workload": p.workload, "label": p.label, "batch_size": p.batch_size,
+            "batch_bytes": p.batch_bytes, "num_workers": p.num_workers, "consumer": p.consumer,
+            "warmup": p.warmup, "batches": p.batches, "params": p.params, "ratios": {},
+            "transports": {
+                name: {"repeats": [{"s_per_batch": s * k, "gbps": size / (s * k) / 1e9,
+                                    "main_cpu_s_per_batch": 1e-4, "ttfb_s": 0.1,
+                                    "peak_mem_bytes": 1 << 20, "peak_shm_bytes": 0}
+                                   for k in (1.0, 1.1, 0.9)]}
+                for name, s in (("torch-pickle", 1.0), ("torch-shm", 0.2), ("shmloader", 0.05),
+                                ("memcpy", 0.01))
+            },
+        }
+        pdoc["transports"]["shmloader-np"] = {"skipped": "not importable"}
+        pdoc["transports"]["shmloader"]["ring"] = {"ring_slots": 6, "slot_bytes": size,
+                                                   "ring_bytes": 6 * size}
+        pts.append(report.point_summary(pdoc))
+    (sp,) = seed001_points(["large"], [8])
+    pts.append(report.point_summary({
+        "key": sp.key, "workload": "seed001", "label": "large", "batch_size": 128,
+        "batch_bytes": sp.batch_bytes, "num_workers": 8, "consumer": "step", "warmup": 5,
+        "batches": 16, "params": sp.params, "ratios": {},
+        "transports": {n: {"repeats": [{"s_per_batch": s}]} for n, s in
+                       (("torch-pickle", 0.67), ("torch-shm", 0.18), ("shmloader-np", 0.07),
+                        ("shmloader", 0.066))},
+    }))
+    return {
+        "schema": report.SCHEMA, "created": "2024-01-01T00:00:00+00:00",
+        "command": "python -m bench --test", "machine": {"cpu": "test cpu", "cores": 2},
+        "config": {"repeats": 3, "name": "t"}, "points": pts, "warnings": [],
+        "work_bound": {"by_point": {sp.key: 0.0625}},
+    }
+
+
+@pytest.mark.timeout(30)
+def test_point_summary_medians_and_ratios():
+    doc = _fake_doc()
+    p = doc["points"][1]
+    s = p["transports"]["shmloader"]["summary"]["s_per_batch"]
+    assert s == {"median": 0.05, "min": pytest.approx(0.045), "max": pytest.approx(0.055), "n": 3}
+    assert p["ratios"]["shmloader"]["torch-shm"] == pytest.approx(4.0)
+    assert p["ratios"]["shmloader"]["torch-pickle"] == pytest.approx(20.0)
+    assert p["ratios"]["shmloader"]["memcpy"] == pytest.approx(0.2)
+    assert "memcpy" not in p["ratios"] and "shmloader-np" in p["ratios"]
+
+
+@pytest.mark.timeout(30)
+def test_schema_accepts_a_good_document_and_names_what_is_wrong():
+    doc = _fake_doc()
+    report.validate(json.loads(json.dumps(doc)))  # survives a JSON round trip
+    bad = copy.deepcopy(doc)
+    bad["schema"] = "other/9"
+    with pytest.raises(ValueError, match="schema"):
+        report.validate(bad)
+    bad = copy.deepcopy(doc)
+    del bad["points"][0]["batch_bytes"]
+    with pytest.raises(ValueError, match=r"points\[0\]\.batch_bytes"):
+        report.validate(bad)
+    bad = copy.deepcopy(doc)
+    bad["points"][1]["transports"]["torch-shm"]["repeats"][0]["s_per_batch"] = -1
+    with pytest.raises(ValueError, match="s_per_batch"):
+        report.validate(bad)
+    bad = copy.deepcopy(doc)
+    bad["points"][0]["transports"]["torch-shm"]["summary"]["gbps"]["min"] = 1e9
+    with pytest.raises(ValueError, match="out of order"):
+        report.validate(bad)
+
+
+@pytest.mark.timeout(60)
+def test_report_table_and_plots(tmp_path):
+    doc = _fake_doc()
+    text = report.format_report(doc)
+    assert "seed001 (large items" in text and "9.57x" in text  # 0.67 / 0.07 posted
+    assert "4.00x" in text and "20.00x" in text and "20%" in text
+    assert "6 slots x 64.0 MiB = 384 MiB" in text
+    report.write_json(doc, str(tmp_path / "t.json"))
+    made = report.plot(doc, str(tmp_path), "t")
+    assert sorted(os.path.basename(m) for m in made) == ["t-cpu.png", "t-gbps.png", "t-seed001.png"]
+    for m in made:
+        with open(m, "rb") as f:
+            assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+# ---------------------------------------------------------------------------------------------
+# the CLI
+
+
+@pytest.mark.timeout(30)
+def test_default_run_is_the_main_job():
+    name, points, names = cli.plan(cli.build_parser().parse_args([]))
+    assert name == "main"
+    assert [(p.workload, p.label, p.num_workers) for p in points] == [
+        ("seed001", "large", w) for w in (0, 2, 4, 8)]
+    assert cli.transports_for(points[0], names) == [
+        "torch-pickle", "torch-shm", "shmloader", "shmloader-np"]
+    name, points, names = cli.plan(cli.build_parser().parse_args(
+        ["-w", "transport", "--sizes", "1M,256M", "--workers", "2,4", "--consumers", "read"]))
+    assert [(p.batch_bytes, p.num_workers, p.consumer) for p in points] == [
+        (MiB, 2, "read"), (MiB, 4, "read"), (256 * MiB, 2, "read"), (256 * MiB, 4, "read")]
+    assert "shmloader-np" not in cli.transports_for(points[0], names)
+    assert "memcpy" in cli.transports_for(points[0], names)
+    with pytest.raises(SystemExit):
+        cli.plan(cli.build_parser().parse_args(["-w", "nope"]))
+
+
+@pytest.mark.timeout(120)
+def test_quick_runs_end_to_end(tmp_path):
+    before = shm_entries()
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench", "--quick", "--out", str(tmp_path), "--no-progress"],
+        cwd=ROOT, capture_output=True, text=True, timeout=110,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    with open(tmp_path / "quick.json") as f:
+        doc = json.load(f)
+    report.validate(doc)
+    assert {p["workload"] for p in doc["points"]} == {"seed001", "transport", "small", "vision"}
+    for p in doc["points"]:
+        for name in ("torch-pickle", "torch-shm"):
+            assert doc and p["transports"][name]["summary"]["s_per_batch"]["median"] > 0
+    assert not [w for w in doc["warnings"] if "leaked" in w or "killed" in w], doc["warnings"]
+    assert (tmp_path / "quick-gbps.png").exists() and (tmp_path / "quick-seed001.png").exists()
+    assert "seconds per batch" in proc.stdout
+    assert shm_entries() <= before
