@@ -240,6 +240,11 @@ def run(args) -> dict:
                             for k in ("killed_workers", "leaked_shm"):
                                 if k in res:
                                     doc["warnings"].append(f"{p.key} {tn} run {r + 1}: {k} {res[k]}")
+                            if res.get("foreign_cpu_share", 0) > 0.15:
+                                doc["warnings"].append(
+                                    f"{p.key} {tn} run {r + 1}: other processes used "
+                                    f"{100 * res['foreign_cpu_share']:.0f}% of the CPUs meanwhile "
+                                    "(the machine was not quiet)")
                             tdoc["repeats"].append(res)
                     prog.step(f"{p.key} {tn} #{r + 1}")
             for tn, tdoc in pdoc["transports"].items():

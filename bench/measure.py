@@ -20,6 +20,7 @@ from __future__ import annotations
 import gc
 import json
 import os
+import re
 import resource
 import subprocess
 import sys
@@ -148,6 +149,28 @@ def shm_entries() -> set[str]:
         return set()
 
 
+def ours(names: set[str], pids: set[int]) -> list[str]:
+    """The /dev/shm entries that our processes made. The machine may be shared, so a new entry
+    counts as ours only where its name carries one of our pids as a token (torch's
+    ``torch_<pid>_<random>_<n>`` do; shmloader's are unlinked at once and never seen here)."""
+    want = {str(p) for p in pids}
+    return sorted(n for n in names if want & set(re.split(r"[_.\-]", n)))
+
+
+def busy_seconds() -> float:
+    """CPU seconds spent by every process on the machine since boot (/proc/stat)."""
+    with open("/proc/stat") as f:
+        v = [int(x) for x in f.readline().split()[1:]]
+    idle = v[3] + (v[4] if len(v) > 4 else 0)
+    return (sum(v[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
+def _tree_cpu() -> float:
+    s = resource.getrusage(resource.RUSAGE_SELF)
+    c = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return s.ru_utime + s.ru_stime + c.ru_utime + c.ru_stime
+
+
 def reap_children(keep: set[int], timeout: float = 10.0) -> list[int]:
     """Wait for the children this run started to exit; kill (by pid) any still there after
     ``timeout``. Returns the pids that had to be killed: a loader that does not stop its workers."""
@@ -186,6 +209,7 @@ def run_loader(t: Transport, p: Point, watch: MemWatch) -> dict:
     shm_before = shm_entries()
     gc.collect()
     watch.start()
+    busy0, tree0 = busy_seconds(), _tree_cpu()
     total = p.warmup + p.batches
     t0 = time.perf_counter()
     loader = make_loader(t, p)
@@ -194,12 +218,15 @@ def run_loader(t: Transport, p: Point, watch: MemWatch) -> dict:
     ttfb = ta = tb = None
     cpu_a = cpu_b = cons_cpu = 0.0
     ring = None
+    pids = {os.getpid()}
+    batch = None
     try:
         for batch in it:
             if n == 0:
                 ttfb = time.perf_counter() - t0
                 if t.loader == "shmloader":
                     ring = ring_info(loader)
+                pids |= {c.pid for c in psutil.Process().children(recursive=True)} - keep
             c0 = time.thread_time()
             consume(batch)
             if n >= p.warmup:
@@ -213,13 +240,16 @@ def run_loader(t: Transport, p: Point, watch: MemWatch) -> dict:
         del batch
         if ring is not None:
             ring = ring_info(loader) or ring  # after the run: the ring as it grew
+        pids |= {c.pid for c in psutil.Process().children(recursive=True)} - keep
         mem = watch.stop()
     finally:
         close_loader(loader, it)
         del it, loader
         gc.collect()
     killed = reap_children(keep)
-    leaked_shm = sorted(shm_entries() - shm_before)
+    wall = time.perf_counter() - t0
+    foreign = (busy_seconds() - busy0) - (_tree_cpu() - tree0)
+    leaked_shm = ours(shm_entries() - shm_before, pids)
     if tb is None or ta is None:
         raise RuntimeError(f"{t.name} on {p.key}: the loader ended after {n} of {total} batches")
     s = (tb - ta) / p.batches
@@ -231,6 +261,8 @@ def run_loader(t: Transport, p: Point, watch: MemWatch) -> dict:
         "peak_mem_bytes": mem.get("peak_mem_bytes"),
         "peak_shm_bytes": mem.get("peak_shm_bytes"),
         "max_procs": mem.get("max_procs"),
+        # CPU that processes outside this run used meanwhile, as a share of the machine's cores
+        "foreign_cpu_share": max(0.0, foreign) / (wall * (os.cpu_count() or 1)),
     }
     if ring is not None:
         out["ring"] = ring

@@ -17,7 +17,7 @@ import torch
 
 from bench import __main__ as cli
 from bench import report, stats
-from bench.measure import MemWatch, leaves, read_all, shm_entries, touch
+from bench.measure import MemWatch, busy_seconds, leaves, ours, read_all, shm_entries, touch
 from bench.transports import all_transports, make_loader, time_memcpy
 from bench.workloads import (
     MiB,
@@ -168,6 +168,15 @@ def test_consumers_read_what_is_there():
     assert read_all({"x": a}) == expected
     odd = np.arange(11, dtype=np.uint8)
     assert read_all([odd]) == int(odd[:8].view(np.uint64)[0]) + 8 + 9 + 10
+
+
+@pytest.mark.timeout(10)
+def test_leak_check_only_blames_our_own_segments():
+    # the machine may be shared: another user's torch segment is not our leak
+    new = {"torch_123_4567_1", "torch_999_1_2", "psm_abc", "seg-123"}
+    assert ours(new, {123}) == ["seg-123", "torch_123_4567_1"]
+    assert ours(new, {12}) == []
+    assert busy_seconds() > 0
 
 
 @pytest.mark.timeout(30)
