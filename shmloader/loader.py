@@ -227,14 +227,14 @@ class _ShmLoaderIter(_BaseDataLoaderIter):
         max_tasks = self._prefetch_factor * self._num_workers
         assert self._tasks_outstanding < max_tasks, "more tasks outstanding than prefetch allows"
         ring = self._ring
-        slot = ring.require_free_slot(ring.held()) if force else ring.take_free_slot()
-        if slot is None:
+        if force:
+            ring.make_room(ring.held())
+        elif not ring.can_take():
             self._deferred_puts += 1  # retried as soon as a batch is released
             return
         try:
             index = self._next_index()
         except StopIteration:
-            ring.unassign(slot)
             return
         for _ in range(self._num_workers):  # the next active worker, as torch picks it
             worker_id = next(self._worker_queue_idx_cycle)
@@ -244,8 +244,8 @@ class _ShmLoaderIter(_BaseDataLoaderIter):
                 if self._workers_num_tasks[worker_id] < max_tasks // sum(self._workers_status):
                     break
         else:
-            ring.unassign(slot)
             return
+        slot = ring.take_free_slot(prefer=self._known_generation[worker_id])
         self._dispatch(worker_id, self._send_idx, index, slot)
         self._task_info[self._send_idx] = (worker_id, slot)
         self._workers_num_tasks[worker_id] += 1
@@ -253,16 +253,16 @@ class _ShmLoaderIter(_BaseDataLoaderIter):
         self._send_idx += 1
 
     def _dispatch(self, worker_id: int, idx: int, index, slot: int) -> None:
-        generation, capacity = self._ring.task_geometry(slot)
+        generation, capacity, hint = self._ring.task_geometry(slot)
         fds: tuple[int, ...] = ()
         if capacity and self._known_generation[worker_id].get(slot) != generation:
             fds = (self._ring.fd(slot),)
             self._known_generation[worker_id][slot] = generation
-        self._channels[worker_id].send(("task", self._epoch, idx, index, slot, generation, capacity), fds)
+        self._channels[worker_id].send(("task", self._epoch, idx, index, slot, generation, capacity, hint), fds)
 
     def _put_deferred(self) -> None:
         self._ring.collect_released()
-        while self._deferred_puts and (self._ring.has_free_slot() or self._ring.may_grow()):
+        while self._deferred_puts and self._ring.can_take():
             self._deferred_puts -= 1
             self._try_put_index()
 

@@ -118,22 +118,28 @@ class Ring:
         self._closed = False
         register_parent_only(self)
         if self.slot_bytes is not None:
-            self._reserve(range(depth))
+            self._check_fits()
 
     # -- sizing --------------------------------------------------------------------------
 
-    def _reserve(self, slots) -> None:
-        """Create the segments of `slots` at `slot_bytes`, checking the total fits first."""
-        slots = [s for s in slots if self._segments[s] is None]
-        if not slots or self.slot_bytes is None:
+    def _check_fits(self) -> None:
+        """Raise ShmCapacityError now if the whole ring at `slot_bytes` cannot fit in /dev/shm.
+
+        Slots are created (and their pages reserved) when first used, by whichever process first
+        needs them, so the first batch does not wait for the whole ring to be zeroed; this check
+        makes a /dev/shm that is too small an error at the start, not after some batches."""
+        if self.slot_bytes is None:
             return
-        needed = len(slots) * self.slot_bytes
+        allocated = self.segments()
+        missing = self.depth - len(allocated)
+        needed = missing * self.slot_bytes
         free = shm_free_bytes()
-        what = f"the ring ({len(slots)} slots of {self.slot_bytes} bytes)"
         if needed > free:
-            raise ShmCapacityError(needed, free, SHM_DIR, what)
-        for s in slots:
-            self._segments[s] = create_segment(self.slot_bytes, self._generations[s], what)
+            total = sum(s.size for s in allocated) + needed
+            raise ShmCapacityError(
+                total, free + sum(s.size for s in allocated), SHM_DIR,
+                f"the ring ({self.depth} slots of {self.slot_bytes} bytes)",
+            )
 
     def _add_slot(self) -> int:
         slot = len(self._segments)
@@ -141,7 +147,9 @@ class Ring:
         self._generations.append(0)
         self._states.append(_FREE)
         self._ring_grows += 1
-        self._reserve([slot])
+        if self.slot_bytes is not None and self.slot_bytes > shm_free_bytes():
+            raise ShmCapacityError(self.slot_bytes, shm_free_bytes(), SHM_DIR,
+                                   f"growing the ring to {self.depth} slots")
         return slot
 
     @property
@@ -150,31 +158,51 @@ class Ring:
 
     # -- the main process's side of the lifecycle ------------------------------------------
 
-    def take_free_slot(self, may_grow: bool = True) -> int | None:
-        """A free slot for the next task, growing the ring if allowed; None if there is none."""
+    def can_take(self) -> bool:
+        """Whether take_free_slot would succeed now."""
         self.collect_released()
-        if not self._free and may_grow and self.depth < self.max_slots:
-            self._free.append(self._add_slot())
-        if not self._free:
-            return None
-        slot = self._free.popleft()
-        self._states[slot] = _DISPATCHED
-        return slot
+        return bool(self._free) or self.may_grow()
 
-    def require_free_slot(self, held: int) -> int:
-        """Like take_free_slot, but the loop would otherwise wait forever: collect garbage once,
-        then raise RingFullError naming the counts."""
-        slot = self.take_free_slot()
-        if slot is None:
-            gc.collect()
-            slot = self.take_free_slot()
-        if slot is None:
+    def take_free_slot(self, prefer: dict[int, int] | None = None) -> int:
+        """A free slot for the next task (growing the ring if needed and allowed).
+
+        Prefers a slot the receiving worker has mapped already (`prefer`: slot -> generation it
+        knows), then one not created yet, so each worker maps few slots (each mapping costs page
+        table set-up for the whole slot)."""
+        self.collect_released()
+        if not self._free:
+            if not self.may_grow():
+                raise RingFullError(f"no free slot among {self.depth} (max_ring_slots={self.max_slots})")
+            self._free.append(self._add_slot())
+        chosen = None
+        if prefer:
+            for slot in self._free:
+                if prefer.get(slot) == self._generations[slot] and self._segments[slot] is not None:
+                    chosen = slot
+                    break
+        if chosen is None:
+            for slot in self._free:
+                if self._segments[slot] is None:
+                    chosen = slot
+                    break
+        if chosen is None:
+            chosen = self._free[0]
+        self._free.remove(chosen)
+        self._states[chosen] = _DISPATCHED
+        return chosen
+
+    def make_room(self, held: int) -> None:
+        """The loop would wait forever for a slot: collect garbage once (reference cycles may
+        hold dead batches), then raise RingFullError naming the counts."""
+        if self.can_take():
+            return
+        gc.collect()
+        if not self.can_take():
             raise RingFullError(
                 f"the training loop holds {held} batches, which fill all {self.depth} slots of the "
                 f"ring (max_ring_slots={self.max_slots}); release batches you no longer need "
                 "(del them, or copy what you keep with .clone()) or pass a larger max_ring_slots"
             )
-        return slot
 
     def unassign(self, slot: int) -> None:
         """A dispatched slot came back unused (end of an iterable stream, an error, a reset)."""
@@ -184,10 +212,11 @@ class Ring:
         self._states[slot] = _FREE
         self._free.append(slot)
 
-    def task_geometry(self, slot: int) -> tuple[int, int]:
-        """(generation, capacity) of a slot as a worker must see it; capacity 0: not allocated."""
+    def task_geometry(self, slot: int) -> tuple[int, int, int]:
+        """(generation, capacity, size hint) of a slot as a worker must see it; capacity 0: not
+        created yet, and the worker creates it at max(hint, what its batch needs)."""
         segment = self._segments[slot]
-        return self._generations[slot], (segment.size if segment is not None else 0)
+        return self._generations[slot], (segment.size if segment is not None else 0), self.slot_bytes or 0
 
     def fd(self, slot: int) -> int:
         segment = self._segments[slot]
@@ -214,8 +243,7 @@ class Ring:
             old.close_fd()
         if self.slot_bytes is None:
             self.slot_bytes = capacity
-            free_unallocated = [s for s in self._free if self._segments[s] is None]
-            self._reserve(free_unallocated)
+            self._check_fits()
         elif capacity > self.slot_bytes:
             self.slot_bytes = capacity
 

@@ -108,6 +108,28 @@ def _collate_tensors_without_shm(batch, *, collate_fn_map=None):
 _TORCH_COLLATE_TENSOR = torch_collate.default_collate_fn_map[torch.Tensor]
 
 
+def _keep_freed_memory() -> None:
+    """Make glibc keep freed memory in this worker instead of returning it to the OS.
+
+    A dataset that builds each sample in a fresh array (np.random.random, decoding into a new
+    buffer) otherwise mmaps and munmaps every array of more than 128 KiB, and the page faults of
+    re-touching that memory cost more than the samples themselves (FACTS.md).  With a 32 MiB mmap
+    threshold and no trimming, a worker's second batch reuses the first batch's memory.  Off with
+    SHMLOADER_KEEP_FREED_MEMORY=0.
+    """
+    if os.environ.get("SHMLOADER_KEEP_FREED_MEMORY", "1") == "0":
+        return
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None)
+        m_trim_threshold, m_mmap_threshold = -1, -3
+        libc.mallopt(m_mmap_threshold, 32 * 1024 * 1024)
+        libc.mallopt(m_trim_threshold, 2**31 - 1)
+    except (OSError, AttributeError):
+        pass  # not glibc: nothing to tune
+
+
 def _watch_main_process(main_pid: int) -> None:
     """Exit this worker within a second of the main process's death, even mid-__getitem__."""
     try:
@@ -132,6 +154,7 @@ def worker_main(spec: WorkerSpec, sock) -> None:
     if spec.forked:
         close_parent_only_in_child()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the main process's to handle
+    _keep_freed_memory()
     faulthandler.enable()
     threading.Thread(target=_watch_main_process, args=(spec.main_pid,), daemon=True,
                      name="shmloader-parent-watch").start()
@@ -237,7 +260,7 @@ class _Worker:
         return segment
 
     def _task(self, message: tuple, fds: list[int]) -> None:
-        _, epoch, idx, index, slot, generation, capacity = message
+        _, epoch, idx, index, slot, generation, capacity, hint = message
         spec = self.spec
         stage = "attaching its slot"
         try:
@@ -274,8 +297,11 @@ class _Worker:
             grown = None
             if segment is None or plan.total_bytes > segment.size:
                 current = segment.size if segment is not None else 0
+                wanted = grown_capacity(plan.total_bytes, current)
+                if current == 0:  # first use of the slot: the ring's learnt size, if larger
+                    wanted = max(wanted, hint)
                 grown = create_segment(
-                    grown_capacity(plan.total_bytes, current), generation + 1,
+                    wanted, generation + 1,
                     f"slot {slot} of the ring ({spec.ring_depth} slots)",
                 )
                 segment, generation = grown, generation + 1
