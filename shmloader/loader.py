@@ -167,6 +167,11 @@ class _ShmLoaderIter(_BaseDataLoaderIter):
         self._ring = Ring(max_tasks + CONSUMER_SLOTS, loader.slot_bytes, loader.max_ring_slots)
         self._release = self._ring.release_callback()
         self._known_generation: list[dict[int, int]] = [{} for _ in range(self._num_workers)]
+        self._pinner = None
+        if self._pin_memory:  # torch's base class set this only where an accelerator exists
+            from .cuda import SlotPinner
+
+            self._pinner = SlotPinner()
 
         if self._auto_collation and self._collate_fn is torch_collate.default_collate:
             mode = COLLATE_INTO_SLOT
@@ -366,6 +371,8 @@ class _ShmLoaderIter(_BaseDataLoaderIter):
             if fds:
                 self._ring.adopt(slot, fds[0], capacity, generation)
                 self._known_generation[worker_id][slot] = generation
+                if self._pinner is not None:
+                    self._pinner.pin(self._ring.segment(slot))  # once per slot segment
             if epoch != self._epoch:
                 self._ring.unassign(slot)
                 return None

@@ -305,6 +305,12 @@ class Ring:
     def held(self) -> int:
         return sum(1 for s in self._states if s == _LEASED)
 
+    def segment(self, slot: int) -> _ring.Segment:
+        segment = self._segments[slot]
+        if segment is None:
+            raise SlotProtocolError(f"slot {slot} has no segment")
+        return segment
+
     def segments(self) -> list[_ring.Segment]:
         return [s for s in self._segments if s is not None]
 
