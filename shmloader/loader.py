@@ -41,7 +41,7 @@ from torch.utils.data._utils import collate as torch_collate
 from torch.utils.data.dataloader import _BaseDataLoaderIter, _DatasetKind
 
 from . import layout
-from .channel import Channel
+from .channel import Channel, ChannelClosed
 from .errors import LoaderTimeoutError, RemoteTraceback, SlotProtocolError, WorkerDiedError, WorkerError
 from .ring import CONSUMER_SLOTS, Ring, RingStats
 from .worker import COLLATE_CONVERT, COLLATE_CUSTOM, COLLATE_INTO_SLOT, Shipped, WorkerSpec, worker_main
@@ -221,8 +221,9 @@ class _ShmLoaderIter(_BaseDataLoaderIter):
             for channel in self._channels:
                 channel.send(("resume", self._epoch))
             self._resumed = 0
-            while self._resumed < self._num_workers:
-                self._wait_for_event()  # stale results of the last epoch free their slots here
+            # Stale results of the last epoch arrive before each worker's "resumed" and free
+            # their slots here.
+            self._wait_for_event(until=lambda: self._resumed >= self._num_workers)
         for _ in range(self._prefetch_factor * self._num_workers):
             self._try_put_index()
 
@@ -333,9 +334,10 @@ class _ShmLoaderIter(_BaseDataLoaderIter):
 
     # -- waiting on workers ----------------------------------------------------------------------
 
-    def _wait_for_event(self):
-        """Block (in bounded slices) until a worker reports a result of this epoch; return
-        (idx, worker_id, batch | _Failure | _END).  Raises on a dead worker or on `timeout`."""
+    def _wait_for_event(self, until=None):
+        """Block (in bounded slices) until a worker reports a result of this epoch, and return
+        (idx, worker_id, batch | _Failure | _END); or, given `until`, until it returns True (then
+        None).  Raises on a dead worker or on `timeout`."""
         deadline = time.monotonic() + self._timeout if self._timeout > 0 else None
         channel_of = {channel.fileno(): (worker_id, channel) for worker_id, channel in enumerate(self._channels)}
         sentinel_of = {process.sentinel: worker_id for worker_id, process in enumerate(self._workers)}
@@ -345,10 +347,15 @@ class _ShmLoaderIter(_BaseDataLoaderIter):
             for fd in ready:
                 if fd in channel_of:
                     worker_id, channel = channel_of[fd]
-                    message, fds = channel.recv()
+                    try:
+                        message, fds = channel.recv()
+                    except (ChannelClosed, ConnectionError):
+                        self._worker_died(worker_id)
                     event = self._handle(worker_id, message, fds)
                     if event is not None:
                         return event
+                    if until is not None and until():
+                        return None
             for fd in ready:
                 if fd in sentinel_of and fd not in channel_of:
                     self._worker_died(sentinel_of[fd])
