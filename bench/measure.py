@@ -157,18 +157,31 @@ def ours(names: set[str], pids: set[int]) -> list[str]:
     return sorted(n for n in names if want & set(re.split(r"[_.\-]", n)))
 
 
-def busy_seconds() -> float:
-    """CPU seconds spent by every process on the machine since boot (/proc/stat)."""
-    with open("/proc/stat") as f:
-        v = [int(x) for x in f.readline().split()[1:]]
-    idle = v[3] + (v[4] if len(v) > 4 else 0)
-    return (sum(v[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+def other_cpu(exclude: set[int]) -> dict[int, tuple[int, int]]:
+    """pid -> (start time, CPU ticks of it and of its reaped children) for every process not in
+    ``exclude``. The difference between two snapshots is the CPU that other processes used in
+    between (a process that came and went counts through its parent, once reaped).
+
+    (``/proc/stat`` cannot be used for this: in a VM it also counts the hypervisor's page-fault
+    work as busy time, which would blame our own page faults on someone else.)"""
+    out = {}
+    for name in os.listdir("/proc"):
+        if not name.isdigit() or int(name) in exclude:
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as f:
+                rest = f.read().rsplit(b")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        # after "pid (comm)": state=0 ppid=1 ... utime=11 stime=12 cutime=13 cstime=14 starttime=19
+        out[int(name)] = (int(rest[19]), sum(int(x) for x in rest[11:15]))
+    return out
 
 
-def _tree_cpu() -> float:
-    s = resource.getrusage(resource.RUSAGE_SELF)
-    c = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return s.ru_utime + s.ru_stime + c.ru_utime + c.ru_stime
+def other_cpu_seconds(before: dict, after: dict) -> float:
+    ticks = sum(a[1] - before[p][1] for p, a in after.items()
+                if p in before and before[p][0] == a[0])
+    return ticks / os.sysconf("SC_CLK_TCK")
 
 
 def reap_children(keep: set[int], timeout: float = 10.0) -> list[int]:
@@ -209,7 +222,8 @@ def run_loader(t: Transport, p: Point, watch: MemWatch) -> dict:
     shm_before = shm_entries()
     gc.collect()
     watch.start()
-    busy0, tree0 = busy_seconds(), _tree_cpu()
+    skip = {os.getpid(), *keep}
+    others0 = other_cpu(skip)
     total = p.warmup + p.batches
     t0 = time.perf_counter()
     loader = make_loader(t, p)
@@ -248,7 +262,7 @@ def run_loader(t: Transport, p: Point, watch: MemWatch) -> dict:
         gc.collect()
     killed = reap_children(keep)
     wall = time.perf_counter() - t0
-    foreign = (busy_seconds() - busy0) - (_tree_cpu() - tree0)
+    foreign = other_cpu_seconds(others0, other_cpu(skip))
     leaked_shm = ours(shm_entries() - shm_before, pids)
     if tb is None or ta is None:
         raise RuntimeError(f"{t.name} on {p.key}: the loader ended after {n} of {total} batches")
@@ -262,7 +276,7 @@ def run_loader(t: Transport, p: Point, watch: MemWatch) -> dict:
         "peak_shm_bytes": mem.get("peak_shm_bytes"),
         "max_procs": mem.get("max_procs"),
         # CPU that processes outside this run used meanwhile, as a share of the machine's cores
-        "foreign_cpu_share": max(0.0, foreign) / (wall * (os.cpu_count() or 1)),
+        "foreign_cpu_share": foreign / (wall * (os.cpu_count() or 1)),
     }
     if ring is not None:
         out["ring"] = ring

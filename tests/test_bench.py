@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -17,7 +18,16 @@ import torch
 
 from bench import __main__ as cli
 from bench import report, stats
-from bench.measure import MemWatch, busy_seconds, leaves, ours, read_all, shm_entries, touch
+from bench.measure import (
+    MemWatch,
+    leaves,
+    other_cpu,
+    other_cpu_seconds,
+    ours,
+    read_all,
+    shm_entries,
+    touch,
+)
 from bench.transports import all_transports, make_loader, time_memcpy
 from bench.workloads import (
     MiB,
@@ -176,7 +186,20 @@ def test_leak_check_only_blames_our_own_segments():
     new = {"torch_123_4567_1", "torch_999_1_2", "psm_abc", "seg-123"}
     assert ours(new, {123}) == ["seg-123", "torch_123_4567_1"]
     assert ours(new, {12}) == []
-    assert busy_seconds() > 0
+
+
+
+@pytest.mark.timeout(30)
+def test_other_processes_cpu_is_seen():
+    busy = subprocess.Popen([sys.executable, "-c", "import time\nt=time.time()\nwhile time.time()-t<5: pass"])
+    try:
+        time.sleep(0.2)
+        b = other_cpu({os.getpid()})
+        time.sleep(0.5)
+        assert other_cpu_seconds(b, other_cpu({os.getpid()})) >= 0.2
+    finally:
+        busy.kill()
+        busy.wait()
 
 
 @pytest.mark.timeout(30)
@@ -199,8 +222,6 @@ def test_memwatch_sees_shared_memory():
         try:
             m = mmap.mmap(seg.fd, seg.size)
             m.write(b"\1" * seg.size)  # fault every page in
-            import time
-
             time.sleep(0.1)
             got = w.stop()
             m.close()
