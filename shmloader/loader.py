@@ -33,18 +33,30 @@ import time
 import weakref
 from dataclasses import dataclass
 from multiprocessing import connection as mp_connection
-from typing import Any
 
 import torch
 from torch.utils.data import DataLoader
 from torch.utils.data._utils import collate as torch_collate
-from torch.utils.data.dataloader import _BaseDataLoaderIter, _DatasetKind
+from torch.utils.data.dataloader import _BaseDataLoaderIter
 
 from . import layout
 from .channel import Channel, ChannelClosed
-from .errors import LoaderTimeoutError, RemoteTraceback, SlotProtocolError, WorkerDiedError, WorkerError
+from .errors import (
+    LoaderTimeoutError,
+    RemoteTraceback,
+    SlotProtocolError,
+    WorkerDiedError,
+    WorkerError,
+)
 from .ring import CONSUMER_SLOTS, Ring, RingStats
-from .worker import COLLATE_CONVERT, COLLATE_CUSTOM, COLLATE_INTO_SLOT, Shipped, WorkerSpec, worker_main
+from .worker import (
+    COLLATE_CONVERT,
+    COLLATE_CUSTOM,
+    COLLATE_INTO_SLOT,
+    Shipped,
+    WorkerSpec,
+    worker_main,
+)
 
 POLL_SECONDS = 0.5  # longest blind wait: sentinels and timeouts are checked at least this often
 STOP_GRACE_SECONDS = 0.5  # how long stopped workers get before they are terminated
