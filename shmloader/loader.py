@@ -164,6 +164,8 @@ class _ShmLoaderIter(_BaseDataLoaderIter):
     def __init__(self, loader: ShmDataLoader) -> None:
         super().__init__(loader)
         self._prefetch_factor = loader.prefetch_factor
+        # torch's own check (an AssertionError there too); without it no task is ever sent
+        assert self._prefetch_factor > 0, "prefetch_factor must be greater than 0"
         self._in_order = getattr(loader, "in_order", True)
         self._shutdown = False
         self._workers: list = []
