@@ -1,0 +1,294 @@
+"""Datasets, collate functions and worker_init_fns shared by the loader tests.
+
+They live at module level in an importable module so that spawn and forkserver workers can
+unpickle them (run pytest from the repository root: `tests` is a package).
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+import os
+import random
+import signal
+import time
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset, IterableDataset, get_worker_info
+
+Pair = collections.namedtuple("Pair", ["image", "label"])
+
+
+def _image(i: int, shape=(3, 4, 5), dtype=np.float32) -> np.ndarray:
+    """A sample array whose every element tells which sample it came from."""
+    return (np.arange(math.prod(shape), dtype=np.float64).reshape(shape) + 1000.0 * i).astype(dtype)
+
+
+class DictDataset(Dataset):
+    """Samples as dicts of every leaf kind the default collate handles."""
+
+    def __init__(self, n: int = 37, shape=(3, 4, 5)):
+        self.n, self.shape = n, shape
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        return {
+            "image": _image(i, self.shape),
+            "tensor": torch.full((2, 3), float(i), dtype=torch.float64),
+            "label": i,
+            "weight": i / 7.0,
+            "flag": bool(i % 2),
+            "name": f"sample-{i}",
+            "nested": {"ids": np.array([i, -i], dtype=np.int64), "pair": (i, str(i))},
+        }
+
+
+class TupleDataset(Dataset):
+    def __init__(self, n: int = 29):
+        self.n = n
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        return _image(i, (4, 4), np.int32), torch.tensor([i, i + 1]), float(i)
+
+
+class NamedTupleDataset(Dataset):
+    def __init__(self, n: int = 23):
+        self.n = n
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        return Pair(image=_image(i, (2, 6)), label=i)
+
+
+class ArrayDataset(Dataset):
+    """Plain numpy samples of `nbytes` each (for zero-copy and control-bytes checks)."""
+
+    def __init__(self, n: int = 16, nbytes: int = 4096, dtype=np.float32):
+        self.n = n
+        self.count = nbytes // np.dtype(dtype).itemsize
+        self.dtype = dtype
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        return np.full(self.count, i, dtype=self.dtype)
+
+
+class RandomDataset(Dataset):
+    """Draws from every RNG a worker seeds (torch, numpy, random) plus the worker's info."""
+
+    def __init__(self, n: int = 24):
+        self.n = n
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        info = get_worker_info()
+        return {
+            "index": i,
+            "torch": torch.rand(3),
+            "numpy": np.random.rand(3),
+            "random": random.random(),
+            "worker": -1 if info is None else info.id,
+            "num_workers": -1 if info is None else info.num_workers,
+            "seed": -1 if info is None else info.seed,
+        }
+
+
+class ShardedStream(IterableDataset):
+    """An iterable dataset that shards itself with get_worker_info(), as users write them: worker
+    k yields k, k + W, k + 2W, ... so interleaving differences show."""
+
+    def __init__(self, n: int = 41, with_len: bool = False):
+        self.n = n
+        self.with_len = with_len
+
+    def __iter__(self):
+        info = get_worker_info()
+        start, step = (0, 1) if info is None else (info.id, info.num_workers)
+        for i in range(start, self.n, step):
+            yield {"x": _image(i, (2, 3)), "i": i, "worker": -1 if info is None else info.id}
+
+    def __len__(self):
+        if not self.with_len:
+            raise TypeError("no len")
+        return self.n
+
+
+class UnevenStream(IterableDataset):
+    """Worker k yields 3 + 4k items: streams end at different times (exhaustion handling)."""
+
+    def __iter__(self):
+        info = get_worker_info()
+        wid = 0 if info is None else info.id
+        for j in range(3 + 4 * wid):
+            yield np.array([wid, j], dtype=np.int64)
+
+
+_init_marker = None
+
+
+def set_marker(worker_id: int) -> None:
+    """A worker_init_fn: its effect is visible to MarkerDataset."""
+    global _init_marker
+    info = get_worker_info()
+    _init_marker = 100 * worker_id + info.num_workers
+
+
+class MarkerDataset(Dataset):
+    def __len__(self):
+        return 12
+
+    def __getitem__(self, i):
+        return {"i": i, "marker": -1 if _init_marker is None else _init_marker}
+
+
+class VariableLengthDataset(Dataset):
+    """Sample i has `base + step * i` elements: later batches are larger than the first."""
+
+    def __init__(self, n: int = 24, base: int = 16, step: int = 2048):
+        self.n, self.base, self.step = n, base, step
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        return np.full(self.base + self.step * i, i, dtype=np.float32)
+
+
+def pad_collate(samples):
+    """A custom collate for variable-length samples: a padded tensor and the lengths."""
+    width = max(len(s) for s in samples)
+    out = torch.zeros(len(samples), width)
+    for row, s in enumerate(samples):
+        out[row, : len(s)] = torch.from_numpy(s)
+    return {"padded": out, "lengths": torch.tensor([len(s) for s in samples])}
+
+
+def numpy_collate(samples):
+    """A custom collate that keeps numpy: stacked arrays and a plain list."""
+    return {
+        "image": np.stack([s["image"] for s in samples]),
+        "labels": [s["label"] for s in samples],
+        "names": tuple(s["name"] for s in samples),
+    }
+
+
+def mixed_collate(samples):
+    """A custom collate returning a tuple of a tensor, a numpy array, a str and an int."""
+    return (
+        torch.stack([torch.from_numpy(s["image"]) for s in samples]),
+        np.array([s["label"] for s in samples], dtype=np.int16),
+        "batch",
+        len(samples),
+    )
+
+
+def list_collate(samples):
+    return samples
+
+
+# -- datasets that fail -------------------------------------------------------------------------
+
+
+class FailingDataset(Dataset):
+    """Raises ValueError on sample `bad`."""
+
+    def __init__(self, n: int = 16, bad: int = 5):
+        self.n, self.bad = n, bad
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        if i == self.bad:
+            raise ValueError(f"bad sample {i} requested")
+        return np.full(4, i, dtype=np.float32)
+
+
+def failing_collate(samples):
+    raise KeyError("collate refuses")
+
+
+def failing_init(worker_id: int) -> None:
+    raise ZeroDivisionError(f"init of worker {worker_id} fails")
+
+
+class KillSelfDataset(Dataset):
+    """The worker that fetches sample `bad` kills itself with `sig`."""
+
+    def __init__(self, n: int = 64, bad: int = 9, sig: int = signal.SIGKILL):
+        self.n, self.bad, self.sig = n, bad, sig
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        if i == self.bad:
+            os.kill(os.getpid(), self.sig)
+            time.sleep(10)
+        return np.full(4, i, dtype=np.float32)
+
+
+class SlowDataset(Dataset):
+    """Sample `slow` takes `seconds`."""
+
+    def __init__(self, n: int = 8, slow: int = 3, seconds: float = 5.0):
+        self.n, self.slow, self.seconds = n, slow, seconds
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        if i == self.slow:
+            time.sleep(self.seconds)
+        return np.full(4, i, dtype=np.float32)
+
+
+class ObjectArrayDataset(Dataset):
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, i):
+        return {"ok": np.zeros(2, np.float32), "obj": np.array([object(), i], dtype=object)}
+
+
+class MismatchedShapeDataset(Dataset):
+    """Sample 2 of the 'image' leaf has another shape."""
+
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, i):
+        return {"label": i, "image": np.zeros((3, 4) if i != 2 else (3, 5), np.float32)}
+
+
+def lambda_leaf_collate(samples):
+    """A custom collate whose output holds an unpicklable leaf (a lambda)."""
+    return {"x": torch.zeros(len(samples)), "extra": [1, (lambda: None)]}
+
+
+def object_array_collate(samples):
+    return {"x": torch.zeros(len(samples)), "meta": [np.array(["a", None], dtype=object)]}
+
+
+class SleepyDataset(Dataset):
+    """Even samples are slow: batches finish out of order when in_order=False."""
+
+    def __len__(self):
+        return 20
+
+    def __getitem__(self, i):
+        if (i // 2) % 2 == 0:
+            time.sleep(0.02)
+        return np.full(3, i, dtype=np.int64)
