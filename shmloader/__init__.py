@@ -13,11 +13,15 @@ from .errors import (
     WorkerError,
 )
 from .loader import LoaderStats, ShmDataLoader
+from .cuda import CudaUnavailableError
+from .prefetch import CudaPrefetcher
 
 __all__ = [
     "__version__",
     "ShmDataLoader",
     "LoaderStats",
+    "CudaPrefetcher",
+    "CudaUnavailableError",
     "ShmLoaderError",
     "WorkerDiedError",
     "WorkerError",

@@ -185,7 +185,8 @@ class _ShmLoaderIter(_BaseDataLoaderIter):
         if self._pin_memory:  # torch's base class set this only where an accelerator exists
             from .cuda import SlotPinner
 
-            self._pinner = SlotPinner()
+            self._pinner = SlotPinner(self._pin_memory_device)
+            self._release = self._pinner.fence_releases(self._release)  # NOTE [ Release fence ]
 
         if self._auto_collation and self._collate_fn is torch_collate.default_collate:
             mode = COLLATE_INTO_SLOT
@@ -248,6 +249,8 @@ class _ShmLoaderIter(_BaseDataLoaderIter):
         assert self._tasks_outstanding < max_tasks, "more tasks outstanding than prefetch allows"
         ring = self._ring
         if force:
+            if self._pinner is not None:
+                self._pinner.pump(wait=True)  # slots waiting for their copies' fence come back
             ring.make_room(ring.held())
         elif not ring.can_take():
             self._deferred_puts += 1  # retried as soon as a batch is released
@@ -281,6 +284,8 @@ class _ShmLoaderIter(_BaseDataLoaderIter):
         self._channels[worker_id].send(("task", self._epoch, idx, index, slot, generation, capacity, hint), fds)
 
     def _put_deferred(self) -> None:
+        if self._pinner is not None:
+            self._pinner.pump()  # NOTE [ Release fence ] in cuda.py
         self._ring.collect_released()
         while self._deferred_puts and self._ring.can_take():
             self._deferred_puts -= 1
