@@ -1,24 +1,16 @@
-"""Small helpers for the loader tests: batch comparison, torch side-by-side runs, leak snapshots."""
+"""Small helpers for the loader tests: batch comparison, torch side-by-side runs, zero-copy checks.
+(Leak checks: the `no_leaks` fixture and helpers of tests/conftest.py.)"""
 
 from __future__ import annotations
 
 import collections.abc
 import copy
-import gc
-import os
-import time
-from dataclasses import dataclass
 
 import numpy as np
-import psutil
 import torch
 from torch.utils.data import DataLoader
 
 from shmloader import ShmDataLoader
-
-SHM_DIR = "/dev/shm"
-SEGMENT_PREFIX = "shmloader-"
-
 
 # -- comparing batches ------------------------------------------------------------------------------
 
@@ -107,80 +99,3 @@ def in_ring(leaf, iterator) -> bool:
     start = address_of(leaf)
     end = start + nbytes_of(leaf)
     return any(s.address <= start and end <= s.address + s.size for s in iterator._ring.segments())
-
-
-# -- leak snapshots -------------------------------------------------------------------------------
-
-
-def shm_entries() -> set[str]:
-    return {name for name in os.listdir(SHM_DIR) if name.startswith(SEGMENT_PREFIX)}
-
-
-def mapped_segments() -> int:
-    """How many shmloader segments this process maps (unlinked ones show as '(deleted)')."""
-    with open("/proc/self/maps") as maps:
-        return sum(1 for line in maps if f"/{SEGMENT_PREFIX}" in line)
-
-
-def _helper_process(proc: psutil.Process) -> bool:
-    """multiprocessing's long-lived helpers (forkserver, resource tracker) are not the loader's."""
-    try:
-        cmdline = " ".join(proc.cmdline())
-    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
-        return False
-    return "forkserver" in cmdline or "resource_tracker" in cmdline
-
-
-def child_pids() -> set[int]:
-    children = psutil.Process().children(recursive=True)
-    return {p.pid for p in children if not _helper_process(p)}
-
-
-def open_fds() -> dict[int, str]:
-    fds = {}
-    for name in os.listdir("/proc/self/fd"):
-        try:
-            fds[int(name)] = os.readlink(f"/proc/self/fd/{name}")
-        except OSError:
-            pass  # the listing's own fd, closed already
-    return fds
-
-
-@dataclass
-class Snapshot:
-    shm: set[str]
-    mapped: int
-    children: set[int]
-    fds: dict[int, str]
-
-
-def snapshot() -> Snapshot:
-    gc.collect()
-    return Snapshot(shm_entries(), mapped_segments(), child_pids(), open_fds())
-
-
-def leaks_since(before: Snapshot) -> list[str]:
-    now = snapshot()
-    problems = []
-    if now.shm - before.shm:
-        problems.append(f"/dev/shm entries left: {sorted(now.shm - before.shm)}")
-    if now.mapped > before.mapped:
-        problems.append(f"{now.mapped - before.mapped} shmloader segments still mapped")
-    if now.children - before.children:
-        problems.append(f"child processes left: {sorted(now.children - before.children)}")
-    new_fds = {fd: target for fd, target in now.fds.items() if before.fds.get(fd) != target}
-    if new_fds:
-        problems.append(f"fds left open: {new_fds}")
-    return problems
-
-
-def assert_no_leaks(before: Snapshot, within: float = 5.0) -> None:
-    """Poll until nothing of the loader remains (processes take a moment to be reaped)."""
-    deadline = time.monotonic() + within
-    while True:
-        problems = leaks_since(before)
-        if not problems:
-            return
-        if time.monotonic() >= deadline:
-            raise AssertionError("; ".join(problems))
-        time.sleep(0.05)
