@@ -152,7 +152,10 @@ class _Failure:
             try:
                 exc = type(original)(summary)
             except Exception:
-                pass
+                # A type whose constructor takes its fields (ShmCapacityError from a slot's
+                # growth): raise the worker's own instance, fields intact, with our summary.
+                original.args = (summary,)
+                exc = original
         exc.worker_id, exc.worker_stage = self.worker_id, self.stage  # type: ignore[attr-defined]
         raise exc from RemoteTraceback(text)
 
