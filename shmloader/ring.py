@@ -54,8 +54,8 @@ def page_round(nbytes: int) -> int:
     return (nbytes + PAGE - 1) // PAGE * PAGE
 
 
-def shm_free_bytes(path: str = SHM_DIR) -> int:
-    st = os.statvfs(path)
+def shm_free_bytes(path: str | None = None) -> int:
+    st = os.statvfs(path if path is not None else SHM_DIR)  # SHM_DIR read now: tests patch it
     return st.f_bavail * st.f_frsize
 
 
