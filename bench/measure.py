@@ -275,8 +275,10 @@ def run_loader(t: Transport, p: Point, watch: MemWatch) -> dict:
         "peak_mem_bytes": mem.get("peak_mem_bytes"),
         "peak_shm_bytes": mem.get("peak_shm_bytes"),
         "max_procs": mem.get("max_procs"),
-        # CPU that processes outside this run used meanwhile, as a share of the machine's cores
-        "foreign_cpu_share": foreign / (wall * (os.cpu_count() or 1)),
+        # CPU seconds that processes outside this run used meanwhile (an upper bound: a reaped
+        # child's whole life counts), and the run's wall time, to judge how quiet the machine was
+        "foreign_cpu_s": foreign,
+        "wall_s": wall,
     }
     if ring is not None:
         out["ring"] = ring
