@@ -134,13 +134,13 @@ def measure(size: int, args, device) -> dict:
     assert slot_batch.is_pinned(), "the ring slot is not page-locked"
     flat = slot_batch.view(-1).view(torch.uint8)
     slot_ms = cuda_ms(lambda: dst.copy_(flat, non_blocking=True), args.repeats)
-    del flat, slot_batch, slot_it, slot_loader
+    flat = slot_batch = slot_it = slot_loader = None  # the slot goes back, the loader shuts down
 
     # 3. compute alone, sized to the copy
     x = torch.randn(nbytes // 4, device=device)
     compute = Compute(device)
     compute_ms = compute.calibrate(x, copy_ms * args.compute_ratio)
-    del x, dst, pinned
+    x = dst = pinned = None
 
     # 4. the two loops, interleaved
     common = dict(batch_size=batch_size, num_workers=args.workers, prefetch_factor=2,

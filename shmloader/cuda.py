@@ -37,8 +37,9 @@ import os
 import threading
 import warnings
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, Protocol
+from typing import Any, Protocol
 
 from .errors import ShmLoaderError, SlotProtocolError
 
