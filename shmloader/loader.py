@@ -113,6 +113,11 @@ class ShmDataLoader(DataLoader):
         self._last_iterator: weakref.ref | None = None
         self._final_stats: LoaderStats | None = None
 
+    def __iter__(self):
+        if getattr(self._iterator, "_shutdown", False):
+            self._iterator = None  # a persistent iterator shut down by an error: start afresh
+        return super().__iter__()
+
     def _get_iterator(self):
         if self.num_workers == 0:
             return super()._get_iterator()  # in-process: nothing to transport
@@ -297,6 +302,8 @@ class _ShmLoaderIter(_BaseDataLoaderIter):
     # -- the next batch ------------------------------------------------------------------------------
 
     def _next_data(self):
+        if self._shutdown:  # after a dead worker, a timeout or Ctrl-C (NOTE [ Shutdown ])
+            raise StopIteration
         try:
             return self._next_data_inner()
         except KeyboardInterrupt:
