@@ -116,10 +116,18 @@ def _stack_tensors(batch, *, collate_fn_map=None):
     return StackedLeaf(batch, elem.dtype, tuple(elem.shape), problem)
 
 
+class _UncollatableArray(Exception):
+    """Not a TypeError, so that torch's collate does not catch it and retry (its Mapping branch
+    does); collate_into_slot turns it into a LayoutError naming the leaf's path."""
+
+    def __init__(self, leaf, message: str):
+        self.leaf, self.message = leaf, message
+
+
 def _stack_arrays(batch, *, collate_fn_map=None):
     elem = batch[0]
     if torch_collate.np_str_obj_array_pattern.search(elem.dtype.str) is not None:
-        raise TypeError(torch_collate.default_collate_err_msg_format.format(elem.dtype))
+        raise _UncollatableArray(elem, torch_collate.default_collate_err_msg_format.format(elem.dtype))
     dtype = _NUMPY_TO_TORCH.get(elem.dtype)
     if dtype is None or any(a.dtype != elem.dtype for a in batch):
         return torch.stack([torch.as_tensor(a) for a in batch], 0)
@@ -134,7 +142,11 @@ SLOT_COLLATE_MAP[np.ndarray] = _stack_arrays
 
 def collate_into_slot(samples):
     """What `default_collate(samples)` would return, with StackedLeaf in place of stacked tensors."""
-    return torch_collate.collate(samples, collate_fn_map=SLOT_COLLATE_MAP)
+    try:
+        return torch_collate.collate(samples, collate_fn_map=SLOT_COLLATE_MAP)
+    except _UncollatableArray as exc:  # torch's TypeError, with the path
+        where = path_of(samples[0], exc.leaf)
+        raise LayoutError(f"cannot collate {_describe(exc.leaf)} at {where}: {exc.message}") from None
 
 
 # -- paths, for errors ---------------------------------------------------------------------------

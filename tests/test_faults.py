@@ -146,20 +146,26 @@ def test_fault_is_reported(how, where, start_method, tmp_path):
     _check_gone(r["pids"])
 
 
+# A spawned worker imports torch before it can do anything (seconds on a loaded 2-core machine),
+# and `timeout` counts that too, as torch's does: spawn gets a longer timeout and fewer stages.
+HANG_CASES = [("fork", w) for w in _faulty.WHERES if w != "unpickle"] + [
+    ("forkserver", w) for w in _faulty.WHERES] + [
+    pytest.param("spawn", "unpickle", marks=pytest.mark.slow)]
+
+
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("start_method", START_METHODS)
-@pytest.mark.parametrize("where", _faulty.WHERES)
+@pytest.mark.parametrize("start_method, where", HANG_CASES)
 def test_hang_with_timeout_raises(where, start_method, tmp_path):
-    if where == "unpickle" and start_method == "fork":
-        pytest.skip("fork workers inherit the dataset: nothing is unpickled")
-    loader = _faulty.make_loader("hang", where, str(tmp_path), start_method, timeout=HANG_TIMEOUT)
+    timeout = 10 if start_method == "spawn" else HANG_TIMEOUT
+    loader = _faulty.make_loader("hang", where, str(tmp_path), start_method, timeout=timeout)
+    started = time.time()
     r = _run(loader, str(tmp_path), "hang")
     assert r["type"] is LoaderTimeoutError, (r["type"], r["message"])
     assert issubclass(r["type"], RuntimeError)  # what torch raises, for existing except clauses
-    assert f"timed out after {HANG_TIMEOUT} seconds" in r["message"]
+    assert f"timed out after {timeout} seconds" in r["message"]
     assert f"worker {_faulty.TARGET_WORKER}" in r["message"]
-    waited = r["raised_at"] - r["fault_at"]
-    assert HANG_TIMEOUT - 0.5 <= waited < HANG_TIMEOUT + REPORT_WITHIN, waited
+    assert r["raised_at"] - started >= timeout
+    assert r["raised_at"] - r["fault_at"] < timeout + REPORT_WITHIN
     assert r["shut_down_at_once"]
     _check_gone(r["pids"])
 
