@@ -69,6 +69,8 @@ def create_segment(capacity: int, generation: int, what: str = "a ring slot") ->
     """A new, reserved, mapped and already-unlinked slot segment of `capacity` bytes."""
     capacity = page_round(max(capacity, _ring.HEADER_BYTES))
     free = shm_free_bytes()
+    if capacity > free:  # fail before posix_fallocate briefly fills /dev/shm for everyone else
+        raise ShmCapacityError(capacity, free, SHM_DIR, what)
     name = "/shmloader-" + secrets.token_hex(16)
     mem = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=0o600)
     try:
