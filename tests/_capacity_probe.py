@@ -1,0 +1,74 @@
+"""Runs a loader against whatever /dev/shm this process sees and prints one JSON line with what
+happened (tests/test_capacity.py runs it inside a private mount namespace over a small tmpfs).
+
+    python -m tests._capacity_probe CASE
+
+CASE "construct": a ring whose slot_bytes cannot fit; "learnt": a ring whose size learnt from the
+first batch cannot fit; "grow": one batch much larger than its slot, too large to fit.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import sys
+
+import numpy as np
+from torch.utils.data import Dataset
+
+from shmloader import ShmDataLoader
+from tests.conftest import child_pids, mapped_segments, wait_until
+
+MiB = 1 << 20
+
+
+class Sized(Dataset):
+    """Samples of `small` bytes, except index `big_at`, of `big` bytes."""
+
+    def __init__(self, small: int, big: int = 0, big_at: int = -1):
+        self.small, self.big, self.big_at = small, big, big_at
+
+    def __len__(self) -> int:
+        return 64
+
+    def __getitem__(self, i: int):
+        n = self.big if i == self.big_at else self.small
+        return np.full(n, i % 251, dtype=np.uint8)
+
+
+def _used() -> int:
+    st = os.statvfs("/dev/shm")
+    return (st.f_blocks - st.f_bfree) * st.f_frsize
+
+
+def run(case: str) -> dict:
+    kw = dict(num_workers=2, prefetch_factor=2, multiprocessing_context="fork")
+    if case == "construct":
+        loader = ShmDataLoader(Sized(MiB), batch_size=4, slot_bytes=8 * MiB, **kw)
+    elif case == "learnt":
+        loader = ShmDataLoader(Sized(MiB), batch_size=3, **kw)
+    elif case == "grow":
+        loader = ShmDataLoader(Sized(64 * 1024, big=40 * MiB, big_at=9), batch_size=1,
+                               collate_fn=lambda samples: samples[0], slot_bytes=MiB, **kw)
+    else:
+        raise SystemExit(f"unknown case {case!r}")
+    result: dict = {"total": os.statvfs("/dev/shm").f_blocks * os.statvfs("/dev/shm").f_frsize, "batches": 0}
+    try:
+        for batch in loader:
+            result["batches"] += 1
+            del batch  # the probe keeps no batch: every slot must be freed at the end
+    except Exception as exc:
+        result.update(type=type(exc).__name__, mro=[c.__name__ for c in type(exc).__mro__],
+                      message=str(exc), needed=getattr(exc, "needed", None), free=getattr(exc, "free", None))
+        del exc
+    del loader
+    gc.collect()
+    wait_until(lambda: not child_pids() and not mapped_segments(), 10.0)
+    result.update(children=sorted(child_pids()), mapped=sorted(mapped_segments()), used_after=_used(),
+                  entries=os.listdir("/dev/shm"))
+    return result
+
+
+if __name__ == "__main__":
+    print(json.dumps(run(sys.argv[1])), flush=True)

@@ -1,0 +1,158 @@
+"""Shared-memory capacity: a ring that does not fit in /dev/shm is a ShmCapacityError when the
+ring is built (the loader's `iter()`, before any worker starts), naming the bytes needed, the
+bytes free and what to do; a ring whose slot size, learnt from the first batch, does not fit,
+and a slot that must grow past what is free, fail the same way, cleanly (no SIGBUS, no worker
+left, nothing left mapped or in /dev/shm).
+
+Tested for real inside a private mount namespace (`unshare -m`) over a 16 MiB tmpfs mounted on
+/dev/shm, where the test can do that (root), and everywhere by asking for more than is free.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from torch.utils.data import Dataset
+
+import shmloader.ring as ring_module
+from shmloader import ShmCapacityError, ShmDataLoader
+from shmloader.ring import create_segment, shm_free_bytes
+from tests._capacity_probe import MiB, Sized
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SMALL_SHM = 16 * MiB
+
+pytestmark = pytest.mark.usefixtures("no_leaks")
+
+
+def _assert_actionable(message: str, needed: int, free: int) -> None:
+    assert f"{needed} bytes" in message and f"{free} bytes" in message, message
+    for advice in ("prefetch_factor", "slot_bytes", "--shm-size"):
+        assert advice in message, f"{advice!r} missing from: {message}"
+
+
+# -- asking for more than is free (any machine) ------------------------------------------------
+
+
+@pytest.mark.timeout(30)
+def test_ring_larger_than_free_fails_before_workers_start():
+    free = shm_free_bytes()
+    slot = (free // 4) // 4096 * 4096 + 4096  # 6 slots (2 workers × 2 + 2) of > free/4
+    loader = ShmDataLoader(Sized(16), batch_size=2, num_workers=2, prefetch_factor=2, slot_bytes=slot)
+    with pytest.raises(ShmCapacityError) as info:
+        iter(loader)
+    exc = info.value
+    assert isinstance(exc, MemoryError)
+    assert exc.needed == 6 * slot > exc.free and exc.path == ring_module.SHM_DIR
+    _assert_actionable(str(exc), exc.needed, exc.free)
+    assert "6 slots" in str(exc)
+
+
+@pytest.mark.timeout(30)
+def test_segment_larger_than_free_is_refused_without_allocating():
+    free = shm_free_bytes()
+    with pytest.raises(ShmCapacityError) as info:
+        create_segment(free + 64 * MiB, 0, "a test segment")
+    assert info.value.needed >= free + 64 * MiB and "a test segment" in str(info.value)
+    _assert_actionable(str(info.value), info.value.needed, info.value.free)
+
+
+@pytest.fixture
+def small_free(monkeypatch):
+    """Make shmloader believe /dev/shm has 8 MiB free (inherited by fork workers)."""
+    monkeypatch.setattr(ring_module, "shm_free_bytes", lambda path=None: 8 * MiB)
+    return 8 * MiB
+
+
+@pytest.mark.timeout(60)
+def test_learnt_slot_size_that_does_not_fit_fails_cleanly(small_free):
+    loader = ShmDataLoader(Sized(MiB), batch_size=2, num_workers=2, prefetch_factor=2,
+                           multiprocessing_context="fork")
+    with pytest.raises(ShmCapacityError) as info:
+        for batch in loader:
+            del batch
+    exc = info.value
+    assert exc.needed > exc.free  # free counts the ring's own allocated slots as available
+    assert exc.needed > small_free and "the ring (6 slots" in str(exc)
+    _assert_actionable(str(exc), exc.needed, exc.free)
+
+
+@pytest.mark.timeout(60)
+def test_slot_growth_that_does_not_fit_fails_cleanly(small_free):
+    loader = ShmDataLoader(Sized(4096, big=12 * MiB, big_at=5), batch_size=1, num_workers=2,
+                           collate_fn=_first, slot_bytes=MiB, multiprocessing_context="fork")
+    delivered = 0
+    with pytest.raises(ShmCapacityError) as info:
+        for batch in loader:
+            delivered += 1
+            del batch
+    exc = info.value
+    assert delivered == 5  # every batch before the big one
+    assert exc.needed > 12 * MiB and exc.free <= small_free
+    assert "writing the batch into its slot" in str(exc) and "worker 1" in str(exc)
+    _assert_actionable(str(exc), exc.needed, exc.free)
+
+
+def _first(samples):
+    return samples[0]
+
+
+# -- for real, against a 16 MiB tmpfs on /dev/shm in a private mount namespace -----------------
+
+
+@functools.cache
+def _private_tmpfs_works() -> bool:
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        return False
+    probe = subprocess.run(["unshare", "-m", "sh", "-c", "mount -t tmpfs -o size=1m tmpfs /dev/shm"],
+                           capture_output=True, timeout=30)
+    return probe.returncode == 0
+
+
+def _probe(case: str) -> dict:
+    if not _private_tmpfs_works():
+        pytest.skip("needs root and `unshare -m` to mount a small tmpfs over /dev/shm privately")
+    script = f'mount -t tmpfs -o size={SMALL_SHM} tmpfs /dev/shm && exec "$0" -m tests._capacity_probe {case}'
+    done = subprocess.run(["unshare", "-m", "sh", "-c", script, sys.executable], cwd=ROOT,
+                          capture_output=True, text=True, timeout=90)
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["total"] == SMALL_SHM, "the probe did not run over the small tmpfs"
+    # Cleanly: no worker left, nothing mapped, the tmpfs empty again, never a SIGBUS.
+    assert result["children"] == [] and result["mapped"] == [], result
+    assert result["used_after"] == 0 and result["entries"] == [], result
+    assert "SIGBUS" not in result.get("message", "")
+    return result
+
+
+@pytest.mark.timeout(120)
+def test_small_tmpfs_ring_fails_at_construction():
+    r = _probe("construct")
+    assert r["type"] == "ShmCapacityError" and r["batches"] == 0
+    assert r["needed"] == 6 * 8 * MiB and r["free"] == SMALL_SHM
+    _assert_actionable(r["message"], r["needed"], r["free"])
+
+
+@pytest.mark.timeout(120)
+def test_small_tmpfs_learnt_ring_fails_at_first_batch():
+    r = _probe("learnt")
+    assert r["type"] == "ShmCapacityError" and r["batches"] == 0
+    assert r["needed"] > SMALL_SHM - 3 * MiB and r["free"] < SMALL_SHM
+    _assert_actionable(r["message"], r["needed"], r["free"])
+
+
+@pytest.mark.timeout(120)
+def test_small_tmpfs_slot_growth_fails_cleanly():
+    r = _probe("grow")
+    assert r["type"] == "ShmCapacityError", r
+    assert r["batches"] == 9  # every batch before the one that does not fit
+    assert r["needed"] > 40 * MiB and r["free"] < SMALL_SHM
+    assert "writing the batch into its slot" in r["message"]
+    _assert_actionable(r["message"], r["needed"], r["free"])
