@@ -16,6 +16,10 @@ shared-memory segments are all gone when it ends.
   * `/dev/shm/shmloader-*` entries (a segment whose name was never unlinked; these are checked
     machine-wide, so they are also checked to be absent before the test).
 
+pytest keeps every fixture's value until all fixtures are torn down, so a fixture that hands out
+segments, leases or batches must depend on `no_leaks` (to be torn down before it) and drop them in
+its own teardown (yield a list and clear it).
+
 The helpers (`open_fds`, `child_pids`, `mapped_segments`, `shm_entries`, `wait_until`,
 `process_snapshot`) are importable for tests that watch other processes (`from tests.conftest
 import ...`).

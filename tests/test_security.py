@@ -1,0 +1,178 @@
+"""Security: what another process could do to a slot, and what a corrupt slot could do to us.
+
+Segments are created exclusively (O_CREX), mode 0600, under 128-bit random names that exist only
+for the instant between shm_open and shm_unlink; workers refuse a slot whose header disagrees with
+the task (size, generation, magic, version); the main process refuses a header or a descriptor
+that points outside its slot.  See docs/reliability.md for the trust model.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import stat
+import struct
+from types import SimpleNamespace
+
+import numpy as np
+import posix_ipc
+import pytest
+
+import shmloader.ring as ring_module
+from shmloader import SlotProtocolError, _ring, layout
+from shmloader.ring import Ring, create_segment
+from shmloader.worker import _Worker
+
+pytestmark = [pytest.mark.usefixtures("no_leaks"), pytest.mark.timeout(30)]
+
+# Offsets in shm_slot_header (csrc/ring.h).
+MAGIC_AT, VERSION_AT, DESC_BYTES_AT, PAYLOAD_END_AT = 0, 8, 48, 56
+
+
+class _Recorder:
+    """Wraps posix_ipc.SharedMemory to record how segments are created."""
+
+    def __init__(self):
+        self.calls = []
+        self.real = posix_ipc.SharedMemory
+
+    def __call__(self, name, flags=0, mode=0o600, **kwargs):
+        self.calls.append((name, flags, mode))
+        return self.real(name, flags, mode=mode, **kwargs)
+
+
+def test_segments_are_private_exclusive_unguessable_and_unlinked(monkeypatch):
+    recorder = _Recorder()
+    monkeypatch.setattr(ring_module.posix_ipc, "SharedMemory", recorder)
+    segments = []
+    for _ in range(32):
+        segment = create_segment(64 * 1024, 0)
+        segments.append(segment)
+        name, flags, mode = recorder.calls[-1]
+        assert not os.path.exists("/dev/shm" + name), "the name must be unlinked before create_segment returns"
+        st = os.fstat(segment.fd)
+        assert stat.S_IMODE(st.st_mode) == 0o600 and mode == 0o600
+        assert st.st_uid == os.geteuid()
+        assert flags == posix_ipc.O_CREX, "must never attach to a segment someone else created"
+    names = [name for name, _, _ in recorder.calls]
+    assert len(set(names)) == len(names)
+    for name in names:
+        assert re.fullmatch(r"/shmloader-[0-9a-f]{32}", name), name  # 128 random bits
+        assert str(os.getpid()) not in name
+    del segments
+
+
+def test_a_name_taken_by_someone_else_is_not_attached(monkeypatch):
+    squatter = posix_ipc.SharedMemory("/shmloader-" + "ab" * 16, posix_ipc.O_CREX, mode=0o666, size=4096)
+    try:
+        monkeypatch.setattr(ring_module.secrets, "token_hex", lambda n: "ab" * 16)
+        with pytest.raises(posix_ipc.ExistentialError):
+            create_segment(64 * 1024, 0)
+    finally:
+        squatter.close_fd()
+        squatter.unlink()
+
+
+# -- the worker's side: a task's slot must be the slot it says ---------------------------------
+
+
+def _worker() -> _Worker:
+    worker = _Worker.__new__(_Worker)
+    worker.spec = SimpleNamespace(worker_id=3)
+    worker.segments = {}
+    return worker
+
+
+def test_worker_refuses_a_slot_larger_than_its_segment():
+    segment = create_segment(64 * 1024, 0)
+    worker = _worker()
+    with pytest.raises(SlotProtocolError, match=r"worker 3 refuses slot 0: .*capacity 65536.*capacity 1048576"):
+        worker._attach(0, 0, 1024 * 1024, [os.dup(segment.fd)])  # would let writes run past the end
+    worker.segments.clear()
+
+
+@pytest.mark.parametrize("field, value, words", [
+    (MAGIC_AT, struct.pack("<Q", 0xDEADBEEF), "magic 0xdeadbeef"),
+    (VERSION_AT, struct.pack("<I", 99), "version 99"),
+])
+def test_worker_refuses_a_foreign_or_stale_segment(field, value, words):
+    segment = create_segment(64 * 1024, 0)
+    segment.write(field, value)
+    worker = _worker()
+    with pytest.raises(SlotProtocolError, match=f"refuses slot 0: header says .*{words}"):
+        worker._attach(0, 0, segment.size, [os.dup(segment.fd)])
+    worker.segments.clear()
+
+
+def test_worker_refuses_a_wrong_generation():
+    segment = create_segment(64 * 1024, 4)
+    worker = _worker()
+    with pytest.raises(SlotProtocolError, match="generation"):
+        worker._attach(0, 5, segment.size, [os.dup(segment.fd)])
+    worker.segments.clear()
+
+
+def test_segment_accesses_stay_inside_the_slot():
+    segment = create_segment(64 * 1024, 0)
+    size = segment.size
+    data = np.zeros(16, np.uint8)
+    for bad in (lambda: segment.write(size - 8, data),
+                lambda: segment.read(size, 1),
+                lambda: segment.read(2**63, 2**63),  # offset + length overflows 64 bits
+                lambda: segment.copy_from_address(size - 1, data.ctypes.data, 2),
+                lambda: segment.publish(size, size + 1)):
+        with pytest.raises(ValueError, match="outside|past the slot"):
+            bad()
+
+
+# -- the main process's side: a READY slot must describe itself inside itself -----------------
+
+
+@pytest.fixture
+def ready_slot(no_leaks):
+    """A one-slot ring whose slot a 'worker' has written batch 0 into and published."""
+    ring = Ring(1)
+    slot = ring.take_free_slot()
+    made = create_segment(64 * 1024, 1)
+    ring.adopt(slot, os.dup(made.fd), made.size, 1)
+    del made
+    segment = ring.segment(slot)
+    plan = layout.plan_batch({"x": np.arange(10, dtype=np.int64)})
+    assert segment.claim(0, 0) == _ring.FREE
+    layout.write_batch(segment, plan)
+    segment.publish(len(plan.descriptor), plan.total_bytes)
+    # pytest keeps a fixture's value until after every teardown: hand out a holder that is
+    # emptied here, so that no_leaks sees the segment unmapped.
+    holder = [ring, slot, segment]
+    del segment
+    yield holder
+    ring.close()
+    holder.clear()
+
+
+def test_main_reads_an_honest_slot(ready_slot):
+    ring, slot, _ = ready_slot
+    lease, descriptor, end = ring.lease(slot, 0, ring.release_callback())
+    batch = layout.read_batch(lease, descriptor, end)
+    assert batch["x"].tolist() == list(range(10))
+
+
+@pytest.mark.parametrize("field, value, words", [
+    (MAGIC_AT, struct.pack("<Q", 0x1234), "magic 0x1234 .*foreign or stale"),
+    (VERSION_AT, struct.pack("<I", 2), "version 2; expected .* version 1"),
+    (DESC_BYTES_AT, struct.pack("<Q", 2**40), "lie outside"),
+    (PAYLOAD_END_AT, struct.pack("<Q", 2**40), "lie outside"),
+])
+def test_main_refuses_a_corrupt_header(ready_slot, field, value, words):
+    ring, slot, segment = ready_slot
+    segment.write(field, value)
+    with pytest.raises(SlotProtocolError, match=words):
+        ring.lease(slot, 0, ring.release_callback())
+
+
+def test_main_refuses_a_leaf_past_the_payload(ready_slot):
+    ring, slot, _ = ready_slot
+    lease, descriptor, end = ring.lease(slot, 0, ring.release_callback())
+    with pytest.raises(SlotProtocolError, match="past the slot's payload end"):
+        # The int64[10] leaf is the payload's first 80 bytes: end the payload 8 bytes short of it.
+        layout.read_batch(lease, descriptor, layout.align(layout.HEADER_BYTES + len(descriptor)) + 72)
