@@ -10,7 +10,8 @@ step included), then shut the workers down and check that nothing was left behin
 - **main-process CPU per batch**: ``getrusage(RUSAGE_SELF)`` (all threads of the main process)
   over the timed batches, minus the consumer's own CPU (``thread_time`` around it): what the
   loader costs the training process.
-- **time to first batch**: from the loader's construction to the first batch in hand.
+- **time to first batch**: from the loader's construction to the first batch in hand; and
+  ``warmup_s``, from there to the end of the untimed batches (one-time costs land here).
 - **peak memory**: from :mod:`bench.memwatch`, a separate process (so no thread lives in this one
   while workers fork) sampling PSS of this process and its descendants plus ``/dev/shm``.
 """
@@ -272,6 +273,7 @@ def run_loader(t: Transport, p: Point, watch: MemWatch) -> dict:
         "gbps": p.batch_bytes / s / 1e9,
         "main_cpu_s_per_batch": max(0.0, (cpu_b - cpu_a - cons_cpu) / p.batches),
         "ttfb_s": ttfb,
+        "warmup_s": ta - t0 - ttfb,  # first batch -> end of the untimed batches
         "peak_mem_bytes": mem.get("peak_mem_bytes"),
         "peak_shm_bytes": mem.get("peak_shm_bytes"),
         "max_procs": mem.get("max_procs"),

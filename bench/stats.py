@@ -14,6 +14,7 @@ METRICS = {
     "gbps": "higher",  # GB/s (1e9 bytes) of array data delivered to the main process
     "main_cpu_s_per_batch": "lower",  # main-process CPU per batch, the consumer's own CPU excluded
     "ttfb_s": "lower",  # loader construction -> first batch in hand
+    "warmup_s": "lower",  # first batch -> end of the untimed batches (one-time costs)
     "peak_mem_bytes": "lower",  # PSS of main + workers (shm excluded) + /dev/shm used, minus baseline
     "peak_shm_bytes": "lower",  # /dev/shm in use, minus baseline
 }

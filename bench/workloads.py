@@ -191,6 +191,14 @@ def size_label(n: int) -> str:
     return f"{n}B"
 
 
+def steady_warmup(num_workers: int, prefetch_factor: int = 2) -> int:
+    """Untimed batches before the clock starts: more than a loader can have prefetched, and more
+    than shmloader's ring has slots (``num_workers * prefetch_factor`` in flight + 2 the consumer
+    may hold), so that the one-time costs (start-up, each ring slot's creation) stay out of the
+    steady-state figure. They are in ``ttfb_s`` and ``warmup_s`` instead."""
+    return max(2, num_workers * prefetch_factor + 3)
+
+
 def _timed_batches(batch_bytes: int, quick: bool) -> int:
     """Enough batches that a run takes long enough to time, few enough that 256 MiB stays short."""
     budget = (128 if quick else 1536) * MiB
@@ -215,7 +223,7 @@ def transport_points(sizes, workers=(2,), consumers=("touch", "read"), quick=Fal
         if size % (16 * 4):
             raise ValueError(f"transport batch size must be a multiple of 64 bytes, got {size}")
         for w in workers:
-            warmup = max(2, 2 * w + 1)
+            warmup = steady_warmup(w)
             for c in consumers:
                 out.append(
                     Point("transport", size_label(size), 16, size, w, c, warmup,
@@ -226,7 +234,8 @@ def transport_points(sizes, workers=(2,), consumers=("touch", "read"), quick=Fal
 
 def small_points(workers=(2,), quick=False):
     return [
-        Point("small", "4KiB", 32, 4096, w, "touch", 50, 300 if quick else 2000, {})
+        Point("small", "4KiB", 32, 4096, w, "touch", max(50, steady_warmup(w)),
+              300 if quick else 2000, {})
         for w in workers
     ]
 
@@ -234,7 +243,7 @@ def small_points(workers=(2,), quick=False):
 def vision_points(workers=(2,), consumers=("touch", "read"), quick=False):
     nbytes = 64 * int(np.prod(IMAGE_SHAPE)) + 64 * 8  # images + int64 labels
     return [
-        Point("vision", "b64", 64, nbytes, w, c, max(2, 2 * w + 1), 20 if quick else 150, {})
+        Point("vision", "b64", 64, nbytes, w, c, steady_warmup(w), 20 if quick else 150, {})
         for w in workers
         for c in consumers
     ]
