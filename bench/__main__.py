@@ -24,7 +24,7 @@ import time
 import warnings
 
 from . import report, stats
-from .measure import MemWatch, run_once, seed_costs
+from .measure import MemWatch, run_once, seed_costs, wait_quiet
 from .transports import all_transports, cores, shmloader_status
 from .workloads import (
     DEFAULT_SIZES,
@@ -84,6 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--no-plots", action="store_true", help="write no PNGs")
     ap.add_argument("--no-mem", action="store_true", help="do not sample memory")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    ap.add_argument("--wait-quiet", type=float, default=0.0, metavar="SECONDS",
+                    help="before each run, wait up to SECONDS for other processes to go idle "
+                         "(for shared machines; default 0: do not wait)")
     ap.add_argument("--replot", metavar="JSON", help="print and plot a saved result; run nothing")
     return ap
 
@@ -213,6 +216,7 @@ def run(args) -> dict:
     steps = sum(repeats * len(transports_for(p, names, bool(args.transports))) for p in points)
     prog = Progress(steps, enabled=not args.no_progress)
     noisy: list[str] = []
+    waited = 0.0
     with MemWatch(enabled=not args.no_mem) as watch:
         for p in points:
             pdoc = {
@@ -231,6 +235,8 @@ def run(args) -> dict:
                     tdoc = pdoc["transports"][tn]
                     prog.show(f"{p.key} {tn} #{r + 1}")
                     if "skipped" not in tdoc:
+                        if args.wait_quiet > 0 and known[tn].is_loader:
+                            waited += wait_quiet(args.wait_quiet, {os.getpid(), watch.pid})
                         try:
                             res = run_once(known[tn], p, watch)
                         except Exception as e:  # noqa: BLE001 - recorded, the run goes on
@@ -257,6 +263,7 @@ def run(args) -> dict:
             f"{len(noisy)} of {steps} runs shared the machine with other busy processes (their "
             f"figures are noisier): {'; '.join(noisy[:6])}{' ...' if len(noisy) > 6 else ''}")
     doc["noisy_runs"] = noisy
+    doc["waited_for_quiet_s"] = round(waited, 1)
     return doc
 
 

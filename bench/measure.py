@@ -102,6 +102,10 @@ class MemWatch:
                 cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
             )
 
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc else None
+
     def _ask(self, cmd: str) -> dict:
         assert self.proc is not None and self.proc.stdin and self.proc.stdout
         self.proc.stdin.write(cmd + "\n")
@@ -183,6 +187,19 @@ def other_cpu_seconds(before: dict, after: dict) -> float:
     ticks = sum(a[1] - before[p][1] for p, a in after.items()
                 if p in before and before[p][0] == a[0])
     return ticks / os.sysconf("SC_CLK_TCK")
+
+
+def wait_quiet(limit_s: float, exclude: set[int], window_s: float = 0.5,
+               busy_share: float = 0.1) -> float:
+    """Wait, up to ``limit_s``, for a ``window_s`` in which other processes use less than
+    ``busy_share`` of one core; returns the seconds waited. For shared machines."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < limit_s:
+        before = other_cpu(exclude)
+        time.sleep(window_s)
+        if other_cpu_seconds(before, other_cpu(exclude)) < busy_share * window_s:
+            break
+    return time.monotonic() - t0
 
 
 def reap_children(keep: set[int], timeout: float = 10.0) -> list[int]:

@@ -159,6 +159,16 @@ def _fmt_range(s: dict | None, scale: float = 1.0) -> str:
     return f"[{s['min'] * scale:.3g}-{s['max'] * scale:.3g}]"
 
 
+def fmt_bytes(n: float | None) -> str:
+    if not n:
+        return "0"
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if n >= 1 << shift:
+            v = n / (1 << shift)
+            return f"{v:.3g} {unit}" if v < 100 else f"{v:.0f} {unit}"
+    return f"{n:.0f} B"
+
+
 def _fmt_ratio(x: float | None, pct: bool = False) -> str:
     if x is None:
         return "-"
@@ -176,7 +186,7 @@ def _table(rows: list[list[str]], header: list[str]) -> str:
 def point_table(points: Iterable[dict]) -> str:
     """One row per (point, transport): medians [min-max], and the ratios to the references."""
     header = ["point", "transport", "s/batch", "[min-max]", "GB/s", "CPU ms/b", "TTFB s",
-              "mem MiB", "ring MiB", "vs torch-shm", "vs torch-pickle", "of memcpy"]
+              "mem MiB", "ring", "vs torch-shm", "vs torch-pickle", "of memcpy"]
     rows = []
     for p in points:
         name = f"{p['label']} w{p['num_workers']} {p['consumer']}"
@@ -187,7 +197,7 @@ def point_table(points: Iterable[dict]) -> str:
             s = t["summary"]
             r = p["ratios"].get(tname, {})
             ring = t.get("ring") or {}
-            rb = ring.get("ring_bytes")
+            rb = ring.get("max_ring_bytes") or ring.get("ring_bytes")
             rows.append([
                 name, tname,
                 _fmt_s(s.get("s_per_batch")), _fmt_range(s.get("s_per_batch")),
@@ -195,7 +205,7 @@ def point_table(points: Iterable[dict]) -> str:
                 _fmt_s(s.get("main_cpu_s_per_batch"), 1e3, 3),
                 _fmt_s(s.get("ttfb_s"), digits=3),
                 _fmt_s(s.get("peak_mem_bytes"), 1 / (1 << 20), 4),
-                f"{rb / (1 << 20):.0f} ({ring.get('ring_slots')}x)" if rb else "",
+                f"{fmt_bytes(rb)} ({ring.get('ring_slots')}x)" if rb else "",
                 _fmt_ratio(r.get("torch-shm")), _fmt_ratio(r.get("torch-pickle")),
                 _fmt_ratio(r.get("memcpy"), pct=True),
             ])
@@ -266,10 +276,12 @@ def ring_lines(doc: dict) -> list[str]:
         for tname, t in p["transports"].items():
             ring = t.get("ring") or {}
             if ring.get("ring_bytes"):
-                out.append(
-                    f"  {p['key']} {tname}: {ring['ring_slots']} slots x "
-                    f"{ring['slot_bytes'] / (1 << 20):.1f} MiB = {ring['ring_bytes'] / (1 << 20):.0f} MiB"
-                )
+                line = (f"  {p['key']} {tname}: {ring['ring_slots']} slots x "
+                        f"{fmt_bytes(ring['slot_bytes'])} = "
+                        f"{fmt_bytes(ring.get('max_ring_bytes') or ring['ring_bytes'])}")
+                if ring.get("max_ring_bytes") and ring["max_ring_bytes"] != ring["ring_bytes"]:
+                    line += f" at most ({fmt_bytes(ring['ring_bytes'])} allocated by this run)"
+                out.append(line)
     return out
 
 

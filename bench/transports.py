@@ -100,7 +100,9 @@ def close_loader(loader, iterator) -> None:
 
 
 def ring_info(loader) -> dict | None:
-    """``ring_slots``, ``slot_bytes``, ``ring_bytes`` from ``loader.stats()`` (shmloader only)."""
+    """The ring from ``loader.stats()`` (shmloader only): ``ring_slots``, ``slot_bytes``,
+    ``ring_bytes`` as reported, and ``max_ring_bytes`` = slots x slot bytes, what /dev/shm must
+    hold once every slot exists."""
     stats = getattr(loader, "stats", None)
     if not callable(stats):
         return None
@@ -108,9 +110,15 @@ def ring_info(loader) -> dict | None:
         s = stats()
     except Exception as e:  # noqa: BLE001 - reported, not fatal
         return {"error": f"{type(e).__name__}: {e}"}
+    if s is None:
+        return None
     out = {}
-    for k in ("ring_slots", "slot_bytes", "ring_bytes"):
-        out[k] = getattr(s, k, None) if not isinstance(s, dict) else s.get(k)
+    for k in ("ring_slots", "slot_bytes", "ring_bytes", "allocated_slots"):
+        v = s.get(k) if isinstance(s, dict) else getattr(s, k, None)
+        if v is not None:
+            out[k] = v
+    if out.get("ring_slots") and out.get("slot_bytes"):
+        out["max_ring_bytes"] = out["ring_slots"] * out["slot_bytes"]
     return out
 
 

@@ -28,7 +28,7 @@ from bench.measure import (
     shm_entries,
     touch,
 )
-from bench.transports import all_transports, make_loader, time_memcpy
+from bench.transports import all_transports, make_loader, ring_info, time_memcpy
 from bench.workloads import (
     MiB,
     Point,
@@ -233,6 +233,25 @@ def test_memwatch_sees_shared_memory():
     assert got["max_procs"] >= 1
 
 
+@pytest.mark.timeout(10)
+def test_ring_info_reads_stats_and_sizes_the_full_ring():
+    from dataclasses import dataclass
+
+    @dataclass(frozen=True)
+    class Stats:
+        ring_slots: int = 10
+        slot_bytes: int = 1 << 20
+        ring_bytes: int = 4 << 20  # only the slots created so far
+
+    class Loader:
+        def stats(self):
+            return Stats()
+
+    assert ring_info(Loader()) == {"ring_slots": 10, "slot_bytes": 1 << 20, "ring_bytes": 4 << 20,
+                                   "max_ring_bytes": 10 << 20}
+    assert ring_info(object()) is None
+
+
 @pytest.mark.timeout(60)
 def test_torch_transports_give_the_same_batches():
     (p,) = transport_points([64 * 1024], consumers=["touch"])
@@ -325,7 +344,8 @@ def test_report_table_and_plots(tmp_path):
     text = report.format_report(doc)
     assert "seed001 (large items" in text and "9.57x" in text  # 0.67 / 0.07 posted
     assert "4.00x" in text and "20.00x" in text and "20%" in text
-    assert "6 slots x 64.0 MiB = 384 MiB" in text
+    assert "6 slots x 64 MiB = 384 MiB" in text
+    assert report.fmt_bytes(4096) == "4 KiB" and report.fmt_bytes(1.5 * (1 << 30)) == "1.5 GiB"
     report.write_json(doc, str(tmp_path / "t.json"))
     made = report.plot(doc, str(tmp_path), "t")
     assert sorted(os.path.basename(m) for m in made) == ["t-cpu.png", "t-gbps.png", "t-seed001.png"]
