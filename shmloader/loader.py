@@ -478,6 +478,7 @@ class _ShmLoaderIter(_BaseDataLoaderIter):
             if self._ring is not None:
                 self._final_ring_stats = self._ring.stats()
                 self._ring.close()
+            self._task_info = {}  # batches buffered for reordering: never delivered, unmap them
             loader = self._loader_ref()
             if loader is not None:
                 loader._final_stats = self.stats()
