@@ -346,4 +346,9 @@ class _SlotUnpickler(pickle.Unpickler):
 def read_batch(lease: _ring.SlotLease, descriptor: bytes, payload_end: int):
     """Rebuild the batch from its descriptor, every array leaf a view that keeps `lease` alive."""
     payload_base = align(HEADER_BYTES + len(descriptor))
-    return _SlotUnpickler(descriptor, lease, payload_base, payload_end).load()
+    batch = _SlotUnpickler(descriptor, lease, payload_base, payload_end).load()
+    if torch._utils._sparse_tensors_to_validate:
+        # torch's unpickling of a sparse tensor parks it in a module-level list until validated
+        # (torch.load does it); left there it would hold this slot's lease forever.
+        torch._utils._validate_loaded_sparse_tensors()
+    return batch
