@@ -87,6 +87,19 @@ def test_custom_collate_variable_length():
     assert_same_batches(collect(shm), collect(ref))
 
 
+@pytest.mark.filterwarnings("ignore:Sparse invariant checks:UserWarning")  # torch's side
+def test_custom_collate_sparse_output():
+    """Sparse batches: equal to torch's, and their slots come back (no RingFullError)."""
+    dataset = ds.ArrayDataset(n=60, nbytes=64)
+    shm, ref = both(dataset, batch_size=2, num_workers=2, collate_fn=ds.sparse_collate)
+    got, want = collect(shm), collect(ref)
+    assert len(got) == len(want) == 30
+    for g, w in zip(got, want):
+        assert g["sparse"].layout == torch.sparse_coo and g["n"] == w["n"]
+        assert torch.equal(g["sparse"].to_dense(), w["sparse"].to_dense())
+    assert shm.stats().ring_grows == 0
+
+
 # -- samplers ---------------------------------------------------------------------------------------
 
 

@@ -1,0 +1,223 @@
+"""shmloader/layout.py: structures round-trip through a slot as zero-copy views, default-collate
+output matches torch's, and errors name the leaf's path."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import gc
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import default_collate
+
+from shmloader import BatchShapeError, LayoutError, SlotProtocolError, layout
+from shmloader._ring import FREE, HEADER_BYTES, LEAF_ALIGN, READY, SlotLease
+from shmloader.ring import create_segment
+
+from . import _datasets as ds
+from ._helpers import address_of, assert_same, nbytes_of
+
+pytestmark = [pytest.mark.timeout(30), pytest.mark.usefixtures("no_leaks")]
+
+Point = collections.namedtuple("Point", ["x", "y"])
+
+
+@dataclasses.dataclass
+class Record:
+    name: str
+    values: np.ndarray
+
+
+def _write(structure, sequence: int = 7):
+    """Plan, write and publish `structure` into a fresh segment, as a worker does; then lease it
+    as the main process does.  Returns (batch, released list, segment)."""
+    plan = layout.plan_batch(structure)
+    segment = create_segment(plan.total_bytes, 0)
+    assert segment.claim(0, sequence) == FREE
+    layout.write_batch(segment, plan)
+    segment.publish(len(plan.descriptor), plan.total_bytes)
+    assert segment.acquire() == READY
+    segment.close_fd()
+    released: list = []
+    lease = SlotLease(segment, 3, 0, sequence, released.append)
+    descriptor = segment.read(HEADER_BYTES, len(plan.descriptor))
+    return layout.read_batch(lease, descriptor, plan.total_bytes), released, segment
+
+
+def _leaves(obj):
+    if isinstance(obj, dict):
+        for value in obj.values():
+            yield from _leaves(value)
+    elif isinstance(obj, (list, tuple)):
+        for value in obj:
+            yield from _leaves(value)
+    elif dataclasses.is_dataclass(obj):
+        yield from _leaves([getattr(obj, f.name) for f in dataclasses.fields(obj)])
+    elif isinstance(obj, (torch.Tensor, np.ndarray)):
+        yield obj
+
+
+NUMPY_DTYPES = [np.bool_, np.uint8, np.int8, np.int16, np.uint16, np.int32, np.uint32, np.int64,
+                np.uint64, np.float16, np.float32, np.float64, np.complex64, np.complex128]
+TORCH_DTYPES = [torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
+                torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.complex64]
+
+
+def _structures():
+    base = torch.arange(60, dtype=torch.float32).reshape(3, 4, 5)
+    return {
+        "numpy dtypes": {str(np.dtype(t)): (np.arange(12) % 3).astype(t).reshape(3, 4) for t in NUMPY_DTYPES},
+        "torch dtypes": [torch.arange(6).to(t).reshape(2, 3) for t in TORCH_DTYPES],
+        "non-contiguous": (base.transpose(0, 2), base[:, ::2, 1:], base.expand(2, 3, 4, 5)[1]),
+        "numpy orders": [np.asfortranarray(np.arange(12.0).reshape(3, 4)), np.arange(24)[::3],
+                         np.arange(12).reshape(3, 4).T],
+        "empty and 0-d": {"empty": np.zeros((0, 3)), "t0": torch.tensor(3.5), "n0": np.array(7),
+                          "empty_t": torch.zeros(2, 0)},
+        "nested": {"a": [Point(np.ones(3), "p"), Point(torch.zeros(2), None)],
+                   "b": collections.OrderedDict(z=1, y=(2.5, "s", b"bytes")),
+                   "c": Record("r", np.arange(4, dtype=np.int16))},
+        "scalars only": [1, 2.0, "three", None, True],
+        "conj and neg": (torch.tensor([1 + 2j, 3 - 1j]).conj(), torch.tensor([1.0, 2.0])._neg_view()),
+        "sparse": torch.eye(3).to_sparse(),
+    }
+
+
+@pytest.mark.parametrize("name", list(_structures()))
+def test_round_trip(name):
+    structure = _structures()[name]
+    batch, released, segment = _write(structure)
+    if name == "sparse":
+        assert torch.equal(batch.to_dense(), structure.to_dense())
+    elif name == "conj and neg":
+        assert torch.equal(batch[0], structure[0].resolve_conj()) and torch.equal(batch[1], -structure[1]._neg_view())
+    elif name == "nested":
+        assert type(batch["b"]) is collections.OrderedDict and type(batch["a"][0]) is Point
+        assert type(batch["c"]) is Record and batch["c"].name == "r"
+        np.testing.assert_array_equal(batch["c"].values, structure["c"].values)
+        assert_same(batch["a"], structure["a"])
+        assert_same(batch["b"], structure["b"])
+    else:
+        assert_same(batch, structure)
+    for leaf in _leaves(batch):  # every non-empty strided leaf is a view into the slot, aligned
+        if nbytes_of(leaf) and getattr(leaf, "layout", torch.strided) == torch.strided:
+            assert segment.address + HEADER_BYTES <= address_of(leaf)
+            assert address_of(leaf) + nbytes_of(leaf) <= segment.address + segment.size
+            assert (address_of(leaf) - segment.address) % LEAF_ALIGN == 0
+        del leaf
+    del batch, segment
+    gc.collect()
+    assert released == [(3, 0)]
+
+
+def test_fortran_order_is_kept():
+    array = np.asfortranarray(np.arange(12.0).reshape(3, 4))
+    batch, _, _ = _write({"f": array})
+    assert batch["f"].flags.f_contiguous and not batch["f"].flags.c_contiguous
+    np.testing.assert_array_equal(batch["f"], array)
+
+
+def test_requires_grad_travels():
+    batch, _, _ = _write([torch.ones(3, requires_grad=True), torch.ones(3)])
+    assert batch[0].requires_grad and not batch[1].requires_grad
+
+
+def test_the_lease_lives_as_long_as_any_view():
+    batch, released, segment = _write({"x": np.arange(100.0), "y": torch.arange(10)})
+    x_part = batch["x"][10:20]
+    y = batch["y"]
+    del batch, segment
+    gc.collect()
+    assert released == []
+    del x_part
+    gc.collect()
+    assert released == []
+    assert torch.equal(y, torch.arange(10))
+    del y
+    gc.collect()
+    assert released == [(3, 0)]
+
+
+def test_descriptor_does_not_grow_with_the_arrays():
+    small = layout.plan_batch({"x": np.zeros(16, np.float32), "y": [1, 2]})
+    large = layout.plan_batch({"x": np.zeros(1 << 20, np.float32), "y": [1, 2]})
+    assert len(small.descriptor) < 1024 and abs(len(large.descriptor) - len(small.descriptor)) < 16
+    assert large.total_bytes >= 4 << 20
+
+
+# -- the default collate, straight into the slot -----------------------------------------------------
+
+
+@pytest.mark.parametrize("dataset", [ds.DictDataset(n=5), ds.TupleDataset(n=5), ds.NamedTupleDataset(n=5),
+                                     ds.RandomDataset(n=5)], ids=["dict", "tuple", "namedtuple", "random"])
+def test_collate_into_slot_matches_default_collate(dataset):
+    samples = [dataset[i] for i in range(len(dataset))]
+    batch, _, _ = _write(layout.collate_into_slot(samples))
+    assert_same(batch, default_collate(samples))
+
+
+def test_collate_of_non_contiguous_rows():
+    samples = [torch.arange(20.0).reshape(4, 5).T * i for i in range(3)]
+    batch, _, _ = _write(layout.collate_into_slot(samples))
+    assert_same(batch, default_collate(samples))
+
+
+# -- errors name the leaf's path ---------------------------------------------------------------------
+
+
+def test_object_array_names_its_path():
+    structure = {"a": [np.zeros(2), np.array([None, 1], dtype=object)]}
+    with pytest.raises(LayoutError, match=r"batch\['a'\]\[1\]") as info:
+        layout.plan_batch(structure)
+    assert "object" in str(info.value)
+    assert isinstance(info.value, TypeError)
+
+
+def test_unpicklable_leaf_names_its_path():
+    structure = Point(x=torch.zeros(2), y={"fn": lambda: 0})
+    with pytest.raises(LayoutError, match=r"batch\.y\['fn'\]"):
+        layout.plan_batch(structure)
+
+
+def test_non_cpu_tensor_names_its_path():
+    with pytest.raises(LayoutError, match=r"batch\[1\].*meta"):
+        layout.plan_batch([torch.zeros(2), torch.zeros(2, device="meta")])
+
+
+def test_mismatched_shapes_name_the_path_and_both_shapes():
+    samples = [{"img": np.zeros((3, 4), np.float32)}, {"img": np.zeros((3, 5), np.float32)}]
+    with pytest.raises(BatchShapeError, match=r"batch\['img'\]") as info:
+        layout.plan_batch(layout.collate_into_slot(samples))
+    assert "[3, 4]" in str(info.value) and "[3, 5]" in str(info.value)
+    with pytest.raises(RuntimeError):  # torch's own type for this case
+        default_collate(samples)
+
+
+def test_default_collate_of_object_arrays_names_the_path():
+    samples = [{"meta": (np.zeros(1), np.array(["x"], dtype=object))} for _ in range(2)]
+    with pytest.raises(TypeError) as torch_info:
+        default_collate(samples)
+    with pytest.raises(LayoutError, match=r"batch\['meta'\]\[1\]") as info:
+        layout.collate_into_slot(samples)
+    assert isinstance(info.value, type(torch_info.value))
+
+
+def test_sparse_leaves_do_not_keep_the_lease():
+    """torch parks unpickled sparse tensors in a module-level list until validated; the slot's
+    lease must not stay there."""
+    batch, released, segment = _write({"s": torch.eye(4).to_sparse(), "d": torch.ones(2)})
+    assert torch.equal(batch["s"].to_dense(), torch.eye(4))
+    del batch, segment
+    gc.collect()
+    assert released == [(3, 0)]
+
+
+def test_a_leaf_past_the_payload_end_is_refused():
+    plan = layout.plan_batch({"x": np.arange(1000.0)})
+    segment = create_segment(plan.total_bytes, 0)
+    layout.write_batch(segment, plan)
+    lease = SlotLease(segment, 0, 0, 0, None)
+    with pytest.raises(SlotProtocolError, match="payload end"):
+        layout.read_batch(lease, segment.read(HEADER_BYTES, len(plan.descriptor)), plan.total_bytes - 64)
+    del lease, segment
