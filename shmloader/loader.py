@@ -84,8 +84,9 @@ class ShmDataLoader(DataLoader):
     """A drop-in for `torch.utils.data.DataLoader` whose workers hand over batches through shared
     memory.  Takes every DataLoader argument, plus:
 
-    slot_bytes: initial size of each ring slot; by default learnt from the first batch (plus
-        headroom).  A batch larger than its slot grows that slot; it is never truncated.
+    slot_bytes: initial size of each ring slot; by default learnt from the first batch (its size
+        rounded to pages).  A batch larger than its slot grows that slot (1/8 headroom, at least
+        1.5 × its size); nothing is ever written past a slot.
     max_ring_slots: how many slots the ring may grow to when the training loop holds on to
         batches (default 2 × (num_workers × prefetch_factor + 2)); past it, RingFullError.
     """

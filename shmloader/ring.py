@@ -23,7 +23,7 @@ NOTE [ Ring size ]
   (batches the training loop holds: the one in use and the one being fetched).  When the user
   holds more, the ring adds slots up to `max_slots` (default 2 × depth) and then raises
   RingFullError rather than wait for a release that may never come.  Slot size is learnt from the
-  first batch (plus headroom) unless `slot_bytes` is given; a larger batch grows only its slot.
+  first batch (page-rounded) unless `slot_bytes` is given; a larger batch grows only its slot.
 """
 
 from __future__ import annotations
@@ -59,9 +59,15 @@ def shm_free_bytes(path: str | None = None) -> int:
     return st.f_bavail * st.f_frsize
 
 
-def grown_capacity(needed: int, current: int) -> int:
-    """Capacity for a slot that must hold `needed` bytes: headroom of 1/8 (at least 64 KiB) for
-    variable-size batches, and at least 1.5 × the current size so repeated growth stays rare."""
+def slot_capacity(needed: int, current: int, learnt: int) -> int:
+    """Capacity of a new segment for a slot that must hold `needed` bytes.
+
+    A slot created for the first time takes the ring's learnt size (`learnt`, 0 before the first
+    batch) or, when the batch is larger or nothing is learnt yet, exactly what it needs, page
+    rounded: equal batches then waste nothing.  A slot that must grow gets 1/8 headroom (at least
+    64 KiB) and at least 1.5 × its current size, so that variable-size batches grow it rarely."""
+    if current == 0:
+        return learnt if needed <= learnt else page_round(needed)
     return page_round(max(needed + max(needed // 8, MIN_HEADROOM), current + current // 2))
 
 

@@ -38,7 +38,7 @@ from . import layout
 from .channel import Channel, ChannelClosed
 from .errors import SlotProtocolError
 from .ownership import close_parent_only_in_child
-from .ring import create_segment, grown_capacity
+from .ring import create_segment, slot_capacity
 
 # How the batch is built in the worker.
 COLLATE_INTO_SLOT = "slot"  # collate_fn is torch's default_collate: rows written in place
@@ -297,9 +297,7 @@ class _Worker:
             grown = None
             if segment is None or plan.total_bytes > segment.size:
                 current = segment.size if segment is not None else 0
-                wanted = grown_capacity(plan.total_bytes, current)
-                if current == 0:  # first use of the slot: the ring's learnt size, if larger
-                    wanted = max(wanted, hint)
+                wanted = slot_capacity(plan.total_bytes, current, hint)
                 grown = create_segment(
                     wanted, generation + 1,
                     f"slot {slot} of the ring ({spec.ring_depth} slots)",
