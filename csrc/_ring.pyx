@@ -6,6 +6,7 @@ Python objects (buffers, leases) and releases the GIL around copies; every decis
 shmloader/ring.py.
 """
 
+cimport cython
 from cpython.buffer cimport PyBuffer_FillInfo
 from libc.errno cimport errno
 from libc.stdint cimport int64_t, uint8_t, uint32_t, uint64_t, uintptr_t
@@ -39,6 +40,7 @@ def reserve(int fd, uint64_t nbytes):
         raise OSError(rc, os.strerror(rc))
 
 
+@cython.no_gc_clear  # __dealloc__ needs before_unmap even when a gc cycle frees it
 cdef class Segment:
     """One slot's shared memory, mapped into this process; owns its fd and its mapping.
 
@@ -178,6 +180,7 @@ cdef class Segment:
         self._exports -= 1
 
 
+@cython.no_gc_clear  # __dealloc__ must still call on_release when a gc cycle frees it
 cdef class SlotLease:
     """The main process's claim on one delivered batch.
 
