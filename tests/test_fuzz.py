@@ -149,8 +149,10 @@ ALL_LEAVES = st.one_of(array_specs, tensor_specs, scalar_specs, st.just(("none",
 
 
 def _tensor_bytes(t: torch.Tensor) -> bytes:
-    t = t.detach().resolve_conj().resolve_neg().contiguous().reshape(-1)
-    return t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
+    t = t.detach().resolve_conj().resolve_neg()
+    dense = torch.empty(t.numel(), dtype=t.dtype)  # standard strides (contiguous() keeps odd
+    dense.copy_(t.reshape(-1))                      # strides on size-1 dimensions)
+    return dense.view(torch.uint8).numpy().tobytes() if t.numel() else b""
 
 
 def assert_same(got, want, path="batch"):
