@@ -106,6 +106,19 @@ def test_holding_past_the_cap_raises_ring_full_error():
     del held, batch, shm
 
 
+def test_batches_freed_by_the_cycle_collector_free_their_slots():
+    """A batch caught in a reference cycle is freed only by the gc; its slot must come back then
+    (the ring collects garbage before it would raise RingFullError)."""
+    shm = ShmDataLoader(ds.DictDataset(n=60), batch_size=2, num_workers=WORKERS, prefetch_factor=PREFETCH,
+                        max_ring_slots=DEPTH, collate_fn=ds.numpy_collate)  # numpy views: gc-tracked
+    for i, batch in enumerate(shm):
+        assert batch["labels"] == [2 * i, 2 * i + 1]
+        holder = [batch["image"], batch]
+        holder.append(holder)  # a cycle: refcounting alone never frees this batch
+        del holder, batch
+    assert shm.stats().batches == 30
+
+
 def test_raising_the_cap_lets_a_loop_hold_everything():
     shm = ShmDataLoader(ds.ArrayDataset(n=40, nbytes=1024), batch_size=2, num_workers=WORKERS,
                         max_ring_slots=24)
