@@ -1,6 +1,7 @@
 """shmloader: a drop-in torch DataLoader that moves batches through shared memory, not pickles."""
 
 from ._version import __version__
+from .cuda import CudaUnavailableError
 from .errors import (
     BatchShapeError,
     LayoutError,
@@ -13,7 +14,6 @@ from .errors import (
     WorkerError,
 )
 from .loader import LoaderStats, ShmDataLoader
-from .cuda import CudaUnavailableError
 from .prefetch import CudaPrefetcher
 
 __all__ = [

@@ -48,13 +48,15 @@ from .errors import (
     WorkerDiedError,
     WorkerError,
 )
-from .ring import CONSUMER_SLOTS, Ring, RingStats
+from .ring import CONSUMER_SLOTS, Ring, RingStats, create_segment
 from .worker import (
     COLLATE_CONVERT,
     COLLATE_CUSTOM,
     COLLATE_INTO_SLOT,
     Shipped,
     WorkerSpec,
+    describe_stage,
+    status_offset,
     worker_main,
 )
 
@@ -179,6 +181,7 @@ class _ShmLoaderIter(_BaseDataLoaderIter):
         self._shutdown = False
         self._workers: list = []
         self._channels: list[Channel] = []
+        self._status = None  # one [stage, batch] word per worker, read when a worker dies
         self._ring: Ring | None = None
         self._final_ring_stats: RingStats | None = None
         self._batches = 0
@@ -206,9 +209,11 @@ class _ShmLoaderIter(_BaseDataLoaderIter):
         payload = Shipped((self._dataset, self._collate_fn if mode == COLLATE_CUSTOM else None,
                            loader.worker_init_fn))
         try:
+            self._status = create_segment(status_offset(self._num_workers), 0, "the workers' status words")
             for worker_id in range(self._num_workers):
                 channel, child_sock = Channel.pair()
                 self._channels.append(channel)
+                channel.send(("status", self._status.size), (self._status.fd,))
                 spec = WorkerSpec(
                     worker_id=worker_id, num_workers=self._num_workers, base_seed=self._base_seed,
                     dataset_kind=self._dataset_kind, auto_collation=self._auto_collation,
@@ -429,8 +434,8 @@ class _ShmLoaderIter(_BaseDataLoaderIter):
     def _worker_died(self, worker_id: int):
         process = self._workers[worker_id]
         process.join(timeout=1.0)
-        doing = [f"producing batch {idx}" for idx, info in self._task_info.items() if info[0] == worker_id and len(info) == 2]
-        error = WorkerDiedError(worker_id, process.pid, process.exitcode, doing[0] if doing else "")
+        doing = describe_stage(self._status, worker_id)
+        error = WorkerDiedError(worker_id, process.pid, process.exitcode, doing)
         self._shutdown_workers()
         raise error
 
@@ -476,6 +481,8 @@ class _ShmLoaderIter(_BaseDataLoaderIter):
                     process.close()
                 except ValueError:
                     pass
+            if self._status is not None:
+                self._status.close_fd()
             if self._ring is not None:
                 self._final_ring_stats = self._ring.stats()
                 self._ring.close()

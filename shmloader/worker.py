@@ -23,6 +23,7 @@ import pickle
 import random
 import select
 import signal
+import struct
 import threading
 import time
 import traceback
@@ -44,6 +45,36 @@ from .ring import create_segment, slot_capacity
 COLLATE_INTO_SLOT = "slot"  # collate_fn is torch's default_collate: rows written in place
 COLLATE_CONVERT = "convert"  # collate_fn is torch's default_convert (batch_size=None)
 COLLATE_CUSTOM = "custom"  # the user's collate_fn, output copied once
+
+
+# What a worker is doing, as it records it in its status word (for a death report: a worker
+# killed by a signal cannot say it itself).
+STAGES = (
+    "idle (waiting for a task)",
+    "unpickling the dataset, collate_fn and worker_init_fn",
+    "running worker_init_fn",
+    "starting the dataset (creating its iterator)",
+    "attaching its slot",
+    "fetching samples (dataset __getitem__ / __iter__)",
+    "collating the batch (collate_fn)",
+    "laying out the batch",
+    "writing the batch into its slot",
+)
+(IDLE, UNPICKLING, INIT_FN, STARTING, ATTACHING, FETCHING, COLLATING, LAYING_OUT, WRITING) = range(len(STAGES))
+
+
+STATUS_WORD = struct.Struct("<qq")  # (stage, batch), one per worker in the status segment
+
+
+def describe_stage(segment, worker_id: int) -> str:
+    """'fetching samples (...) for batch 7': what a worker last recorded in the status segment."""
+    stage, idx = STATUS_WORD.unpack(segment.read(status_offset(worker_id), STATUS_WORD.size))
+    name = STAGES[stage] if 0 <= stage < len(STAGES) else f"stage {stage}"
+    return name if idx < 0 else f"{name} for batch {idx}"
+
+
+def status_offset(worker_id: int) -> int:
+    return layout.HEADER_BYTES + worker_id * STATUS_WORD.size
 
 
 class Shipped:
@@ -102,7 +133,8 @@ def _collate_tensors_without_shm(batch, *, collate_fn_map=None):
     elem = batch[0]
     if elem.is_nested or elem.layout != torch.strided:
         return _TORCH_COLLATE_TENSOR(batch, collate_fn_map=collate_fn_map)
-    return torch.stack(batch, 0)
+    # out= as torch's worker does: the batch takes elem's dtype (no type promotion)
+    return torch.stack(batch, 0, out=elem.new_empty((len(batch), *elem.shape)))
 
 
 _TORCH_COLLATE_TENSOR = torch_collate.default_collate_fn_map[torch.Tensor]
@@ -175,11 +207,25 @@ class _Worker:
         self.init_error: tuple | None = None
         self.ended = False
         self.fetcher = None
+        self.status = None  # the status segment, whose fd is the first message from main
+
+    def _enter(self, stage: int, idx: int = -1) -> str:
+        """Record the stage in this worker's status word, return its name."""
+        if self.status is not None:
+            self.status.write(status_offset(self.spec.worker_id), STATUS_WORD.pack(stage, idx))
+        return STAGES[stage]
 
     # -- start-up, as torch's worker loop does it ------------------------------------------------
 
     def _start(self) -> None:
         spec = self.spec
+        message, fds = self.channel.recv()
+        if message[0] != "status" or len(fds) != 1:
+            raise SlotProtocolError(f"worker {spec.worker_id} expected its status segment, got {message[0]!r}")
+        from ._ring import Segment
+
+        self.status = Segment(fds[0], message[1])
+        self.status.close_fd()
         torch.set_num_threads(1)
         seed = spec.base_seed + spec.worker_id
         random.seed(seed)
@@ -188,19 +234,20 @@ class _Worker:
 
         np.random.seed(torch_worker._generate_state(spec.base_seed, spec.worker_id))
         torch_collate.default_collate_fn_map[torch.Tensor] = _collate_tensors_without_shm
-        stage = "unpickling the dataset, collate_fn and worker_init_fn"
+        stage = self._enter(UNPICKLING)
         try:
             self.dataset, self.collate_fn, init_fn = spec.payload.load()
             torch_worker._worker_info = torch_worker.WorkerInfo(
                 id=spec.worker_id, num_workers=spec.num_workers, seed=seed, dataset=self.dataset
             )
-            stage = "running worker_init_fn"
+            stage = self._enter(INIT_FN)
             if init_fn is not None:
                 init_fn(spec.worker_id)
-            stage = "starting the dataset (creating its iterator)"
+            stage = self._enter(STARTING)
             self._new_fetcher()
         except Exception as exc:
             self.init_error = (stage, exception_payload(exc))
+        self._enter(IDLE)
 
     def _new_fetcher(self) -> None:
         from torch.utils.data.dataloader import _DatasetKind
@@ -219,12 +266,15 @@ class _Worker:
             kind = message[0]
             if kind == "task":
                 self._task(message, fds)
+                self._enter(IDLE)
             elif kind == "resume":
                 if self.init_error is None:
+                    self._enter(STARTING)
                     try:
                         self._new_fetcher()
                     except Exception as exc:
                         self.init_error = ("starting the dataset (creating its iterator)", exception_payload(exc))
+                self._enter(IDLE)
                 self.channel.send(("resumed", message[1]))
             elif kind == "stop":
                 return
@@ -262,7 +312,7 @@ class _Worker:
     def _task(self, message: tuple, fds: list[int]) -> None:
         _, epoch, idx, index, slot, generation, capacity, hint = message
         spec = self.spec
-        stage = "attaching its slot"
+        stage = self._enter(ATTACHING, idx)
         try:
             segment = self._attach(slot, generation, capacity, fds)
             if self.init_error is not None:
@@ -272,7 +322,7 @@ class _Worker:
             if self.ended:
                 self.channel.send(("end", epoch, idx, slot))
                 return
-            stage = "fetching samples (dataset __getitem__ / __iter__)"
+            stage = self._enter(FETCHING, idx)
             try:
                 samples = self.fetcher.fetch(index)
             except StopIteration:
@@ -283,7 +333,7 @@ class _Worker:
                 self.ended = True
                 self.channel.send(("end", epoch, idx, slot))
                 return
-            stage = "collating the batch (collate_fn)"
+            stage = self._enter(COLLATING, idx)
             if spec.collate_mode == COLLATE_INTO_SLOT:
                 batch = layout.collate_into_slot(samples)
             elif spec.collate_mode == COLLATE_CONVERT:
@@ -291,9 +341,9 @@ class _Worker:
             else:
                 batch = self.collate_fn(samples)
             del samples
-            stage = "laying out the batch"
+            stage = self._enter(LAYING_OUT, idx)
             plan = layout.plan_batch(batch)
-            stage = "writing the batch into its slot"
+            stage = self._enter(WRITING, idx)
             grown = None
             if segment is None or plan.total_bytes > segment.size:
                 current = segment.size if segment is not None else 0

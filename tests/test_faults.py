@@ -198,10 +198,6 @@ def test_ctrl_c_while_waiting_on_a_hung_worker(where, tmp_path):
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.xfail(strict=True, reason=(
-    "a worker that dies (os._exit, signal) cannot tell the main process what it was doing: the "
-    "message says 'while producing batch n', not the stage; needs a per-worker stage word in "
-    "shared memory (protocol change, proposed in the report)"))
 @pytest.mark.parametrize("where", ["getitem", "collate", "write"])
 def test_death_names_the_stage(where, tmp_path):
     loader = _faulty.make_loader("exit", where, str(tmp_path), "fork")
