@@ -110,8 +110,8 @@ def _stack_tensors(batch, *, collate_fn_map=None):
         and not t.is_nested and t.dtype == elem.dtype and not t.requires_grad
         for t in batch
     )
-    if not plain:  # torch's own semantics (type promotion, errors) for the unusual cases
-        return torch.stack(batch, 0)
+    if not plain:  # torch's own semantics in a worker (stack into elem's dtype, its errors)
+        return torch.stack(batch, 0, out=elem.new_empty((len(batch), *elem.shape)))
     problem = _first_mismatch(batch, lambda t: tuple(t.shape))
     return StackedLeaf(batch, elem.dtype, tuple(elem.shape), problem)
 
