@@ -300,3 +300,50 @@ def sparse_collate(samples):
     for row, s in enumerate(samples):
         dense[row, int(s[0]) % 8] = float(s[0])
     return {"sparse": dense.to_sparse(), "n": len(samples)}
+
+
+class EdgeDataset(Dataset):
+    """Leaves the default collate handles in less common shapes and types."""
+
+    def __len__(self):
+        return 10
+
+    def __getitem__(self, i):
+        grid = np.arange(12, dtype=np.float64).reshape(3, 4) + i
+        return {
+            "np_float32": np.float32(i / 3),
+            "np_int64": np.int64(-i),
+            "np_bool": np.bool_(i % 3 == 0),
+            "zero_d": np.array(i * 1.5),
+            "empty": np.zeros((0, 3), np.float32),
+            "empty_t": torch.zeros(2, 0),
+            "transposed": grid.T,
+            "fortran": np.asfortranarray(grid),
+            "strided": grid[:, ::2],
+            "tensor_t": torch.arange(6.0).reshape(2, 3).T + i,
+            "half": np.full(3, i, np.float16),
+            "uint16": np.full(2, i, np.uint16),
+            "bools": np.array([True, i % 2 == 0]),
+            "bytes": b"b%d" % i,
+            "list": [i, i + 1, float(i)],
+            "tuple_of_str": ("a", str(i)),
+            "big_int": 2**40 + i,
+            "complex": np.full(2, 1j * i, np.complex64),
+        }
+
+
+class MixedDtypeDataset(Dataset):
+    """Sample tensors whose dtype differs between samples."""
+
+    def __len__(self):
+        return 6
+
+    def __getitem__(self, i):
+        return torch.ones(3, dtype=torch.float32 if i % 2 else torch.float64)
+
+
+def default_collate_inside(samples):
+    """A custom collate that calls torch's default_collate itself (worker-side tensor stacking)."""
+    from torch.utils.data import default_collate
+
+    return {"inner": default_collate(samples)}
