@@ -483,6 +483,7 @@ class _ShmLoaderIter(_BaseDataLoaderIter):
                     pass
             if self._status is not None:
                 self._status.close_fd()
+                self._status = None  # unmapped now, not when the (maybe still referenced) iterator goes
             if self._ring is not None:
                 self._final_ring_stats = self._ring.stats()
                 self._ring.close()
