@@ -304,6 +304,15 @@ def test_start_methods(method):
     assert_same_batches(collect(shm), collect(ref))
 
 
+def test_context_object_instead_of_a_name():
+    import multiprocessing
+
+    context = multiprocessing.get_context("fork")
+    shm, ref = both(ds.RandomDataset(n=8), seed=3, batch_size=2, num_workers=2,
+                    multiprocessing_context=context)
+    assert_same_batches(collect(shm), collect(ref))
+
+
 # -- other arguments --------------------------------------------------------------------------------------
 
 
