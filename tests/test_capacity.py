@@ -17,9 +17,7 @@ import shutil
 import subprocess
 import sys
 
-import numpy as np
 import pytest
-from torch.utils.data import Dataset
 
 import shmloader.ring as ring_module
 from shmloader import ShmCapacityError, ShmDataLoader

@@ -14,7 +14,13 @@ import time
 
 import pytest
 
-from tests.conftest import mapped_segments, pid_gone, segments_held_anywhere, shm_entries, wait_until
+from tests.conftest import (
+    mapped_segments,
+    pid_gone,
+    segments_held_anywhere,
+    shm_entries,
+    wait_until,
+)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKERS_EXIT_WITHIN = 5.0
