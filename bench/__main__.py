@@ -226,6 +226,7 @@ def run(args) -> dict:
                 "batches": p.batches, "params": p.params, "transports": {}, "ratios": {},
             }
             tnames = transports_for(p, names, bool(args.transports))
+            dataset = p.dataset()  # one per point, made before any run: not in the memory figure
             for tn in tnames:
                 pdoc["transports"][tn] = {"repeats": []}
                 if known[tn].loader == "shmloader" and not ok:
@@ -238,7 +239,7 @@ def run(args) -> dict:
                         if args.wait_quiet > 0 and known[tn].is_loader:
                             waited += wait_quiet(args.wait_quiet, {os.getpid(), watch.pid})
                         try:
-                            res = run_once(known[tn], p, watch)
+                            res = run_once(known[tn], p, watch, dataset)
                         except Exception as e:  # noqa: BLE001 - recorded, the run goes on
                             tdoc.setdefault("errors", []).append(f"{type(e).__name__}: {e}")
                             doc["warnings"].append(f"{p.key} {tn} run {r + 1}: {type(e).__name__}: {e}")
@@ -256,6 +257,7 @@ def run(args) -> dict:
             for tn, tdoc in pdoc["transports"].items():
                 if "skipped" not in tdoc and not tdoc["repeats"]:
                     pdoc["transports"][tn] = {"skipped": "; ".join(tdoc.get("errors", ["failed"]))}
+            del dataset
             doc["points"].append(report.point_summary(pdoc))
     prog.end()
     if noisy:

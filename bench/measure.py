@@ -233,8 +233,9 @@ def _cpu_self() -> float:
     return r.ru_utime + r.ru_stime
 
 
-def run_loader(t: Transport, p: Point, watch: MemWatch) -> dict:
-    """One timed run of loader transport ``t`` on point ``p``; returns the raw metrics."""
+def run_loader(t: Transport, p: Point, watch: MemWatch, dataset=None) -> dict:
+    """One timed run of loader transport ``t`` on point ``p``; returns the raw metrics.
+    ``dataset`` (made beforehand, shared by the runs of a point) stays out of the memory figure."""
     consume = CONSUMERS[p.consumer]
     keep = {c.pid for c in psutil.Process().children(recursive=True)}
     shm_before = shm_entries()
@@ -244,7 +245,7 @@ def run_loader(t: Transport, p: Point, watch: MemWatch) -> dict:
     others0 = other_cpu(skip)
     total = p.warmup + p.batches
     t0 = time.perf_counter()
-    loader = make_loader(t, p)
+    loader = make_loader(t, p, dataset)
     it = iter(loader)
     n = 0
     ttfb = ta = tb = None
@@ -313,9 +314,9 @@ def run_memcpy(t: Transport, p: Point) -> dict:
     return {"s_per_batch": s, "gbps": p.batch_bytes / s / 1e9}
 
 
-def run_once(t: Transport, p: Point, watch: MemWatch) -> dict:
+def run_once(t: Transport, p: Point, watch: MemWatch, dataset=None) -> dict:
     if t.is_loader:
-        return run_loader(t, p, watch)
+        return run_loader(t, p, watch, dataset)
     return run_memcpy(t, p)
 
 

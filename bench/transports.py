@@ -74,11 +74,12 @@ def shmloader_status() -> tuple[bool, str]:
     return True, getattr(shmloader, "__version__", "?")
 
 
-def make_loader(t: Transport, p: Point):
-    """The loader of transport ``t`` for point ``p`` (same dataset, batch size and workers)."""
+def make_loader(t: Transport, p: Point, dataset=None):
+    """The loader of transport ``t`` for point ``p`` (same dataset, batch size and workers).
+    Pass ``dataset`` to share one dataset between runs (made once, outside the measurement)."""
     kw = p.loader_kwargs()
     kw["collate_fn"] = p.collate(t.collate)
-    ds = p.dataset()
+    ds = p.dataset() if dataset is None else dataset
     if t.loader == "torch":
         return torch.utils.data.DataLoader(ds, **kw)
     if t.loader == "shmloader":

@@ -10,8 +10,9 @@ Workloads
                whose items are ``np.random.random((1000, 150))`` (large) or ``(10, 150)`` (small)
                after a 3.125 ms sleep, batch 128, ``collate_fn`` returning the list of records, a
                0.05 s train step, ``prefetch_factor=4, persistent_workers=True``.
-``transport``  pre-made samples (no compute in ``__getitem__``), 16 samples per batch, batches of
-               1 MiB .. 256 MiB; the consumer only touches the batch, or reads every byte.
+``transport``  pre-made samples (no compute in ``__getitem__``; 16 distinct arrays, one per row),
+               16 samples per batch, batches of 1 MiB .. 256 MiB; the consumer only touches the
+               batch, or reads every byte.
 ``small``      4 KiB batches (32 samples of 128 B): the control path dominates.
 ``vision``     dict samples ``{"image": uint8 (3,224,224), "label": int, "name": str}``, batch 64.
 """
@@ -71,19 +72,22 @@ class MyIterableDataset(IterableDataset):
 
 
 class PremadeDataset(Dataset):
-    """``length`` samples that are all the same pre-made float32 array of ``sample_bytes``."""
+    """``length`` samples of ``sample_bytes`` (float32), made once: ``distinct`` different arrays
+    (one per row of a batch by default), returned in turn. Distinct rows make a batch's source as
+    large as the batch, so that collating it reads from memory, not from a cache-resident sample."""
 
-    def __init__(self, sample_bytes: int, length: int):
+    def __init__(self, sample_bytes: int, length: int, distinct: int = 1):
         if sample_bytes % 4:
             raise ValueError(f"sample_bytes must be a multiple of 4, got {sample_bytes}")
-        self.sample = np.arange(sample_bytes // 4, dtype=np.float32)
+        n = sample_bytes // 4
+        self.samples = [np.arange(k, k + n, dtype=np.float32) for k in range(distinct)]
         self.length = length
 
     def __len__(self):
         return self.length
 
     def __getitem__(self, i):
-        return self.sample
+        return self.samples[i % len(self.samples)]
 
 
 def stack_collate(samples):
@@ -144,7 +148,7 @@ class Point:
             return MyIterableDataset(n=10000, shape=SEED_SHAPES[self.params["items"]])
         n = (self.warmup + self.batches) * self.batch_size
         if self.workload in ("transport", "small"):
-            return PremadeDataset(self.batch_bytes // self.batch_size, n)
+            return PremadeDataset(self.batch_bytes // self.batch_size, n, distinct=self.batch_size)
         if self.workload == "vision":
             return VisionDataset(n)
         raise ValueError(f"unknown workload {self.workload!r}")
