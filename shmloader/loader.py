@@ -7,12 +7,22 @@
               └─▶ wrap slot s as tensors (zero-copy views holding the slot's lease)
 
 What one `next()` does, step by step:
-  1. take back the slots whose batches the user has dropped (their leases died);
-  2. hand out the tasks that were waiting for a free slot (NOTE [ Ring size ] in ring.py);
-  3. if batch `rcvd_idx` is not in yet, wait on every worker's socket and process sentinel
+  1. read whatever the workers have reported (without waiting), take back the slots whose
+     batches the user has dropped (their leases died) and grant free slots to workers;
+  2. if batch `rcvd_idx` is not in yet, wait on every worker's socket and process sentinel
      (bounded waits: a dead worker or `timeout` raises, never a hang);
-  4. validate the slot's header, unpickle its small descriptor with views onto the slot;
-  5. send the next task (indices, slot) to the next worker in round-robin order; return the batch.
+  3. validate the slot's header, unpickle its small descriptor with views onto the slot;
+  4. send the next task (indices) to the next worker in round-robin order; return the batch.
+
+NOTE [ Slot grants ]
+  Tasks carry no slot.  Each worker holds up to GRANTS_PER_WORKER free slots granted by the main
+  process ("grant" messages, with the segment's fd the first time that worker sees it) and writes
+  each finished batch into one of them; the "ready" message hands the slot back, and the main
+  process grants another.  So a slot is bound only to a batch that exists: the ring's depth
+  (NOTE [ Ring size ]) is a cap, and the slots actually created are about the granted ones plus
+  the batches waiting to be consumed, far fewer than num_workers × prefetch_factor when the
+  training loop keeps up.  A worker that has a batch and no grant waits for one on its socket;
+  when the training loop holds every slot the ring may have, the wait raises RingFullError.
 
 Order, seeding, `len()`, epochs, `persistent_workers`, `in_order` and iterable datasets follow
 torch's `_MultiProcessingDataLoaderIter` exactly (this iterator derives from torch's base class,
@@ -27,6 +37,7 @@ NOTE [ Shutdown ]
 
 from __future__ import annotations
 
+import collections
 import itertools
 import os
 import time
@@ -50,9 +61,11 @@ from .errors import (
 )
 from .ring import CONSUMER_SLOTS, Ring, RingStats, create_segment
 from .worker import (
+    BOOTING,
     COLLATE_CONVERT,
     COLLATE_CUSTOM,
     COLLATE_INTO_SLOT,
+    STATUS_WORD,
     Shipped,
     WorkerSpec,
     describe_stage,
@@ -60,6 +73,7 @@ from .worker import (
     worker_main,
 )
 
+GRANTS_PER_WORKER = 2  # NOTE [ Slot grants ]: the slot being written + one to go on with
 POLL_SECONDS = 0.5  # longest blind wait: sentinels and timeouts are checked at least this often
 STOP_GRACE_SECONDS = 0.5  # how long stopped workers get before they are terminated
 
@@ -193,6 +207,11 @@ class _ShmLoaderIter(_BaseDataLoaderIter):
         self._ring = Ring(max_tasks + CONSUMER_SLOTS, loader.slot_bytes, loader.max_ring_slots)
         self._release = self._ring.release_callback()
         self._known_generation: list[dict[int, int]] = [{} for _ in range(self._num_workers)]
+        self._grants: list[set[int]] = [set() for _ in range(self._num_workers)]
+        self._grant_quota = min(GRANTS_PER_WORKER, self._prefetch_factor)
+        # (epoch, batch) -> worker, in the order sent: tasks whose result has not come back yet
+        self._unreceived: dict[tuple[int, int], int] = {}
+        self._events: collections.deque = collections.deque()  # results read ahead of their wait
         self._pinner = None
         if self._pin_memory:  # torch's base class set this only where an accelerator exists
             from .cuda import SlotPinner
@@ -210,6 +229,8 @@ class _ShmLoaderIter(_BaseDataLoaderIter):
                            loader.worker_init_fn))
         try:
             self._status = create_segment(status_offset(self._num_workers), 0, "the workers' status words")
+            for worker_id in range(self._num_workers):  # what a worker dead before its first word did
+                self._status.write(status_offset(worker_id), STATUS_WORD.pack(BOOTING, -1))
             for worker_id in range(self._num_workers):
                 channel, child_sock = Channel.pair()
                 self._channels.append(channel)
@@ -241,11 +262,11 @@ class _ShmLoaderIter(_BaseDataLoaderIter):
         self._rcvd_idx = 0
         self._task_info: dict[int, tuple] = {}
         self._tasks_outstanding = 0
-        self._deferred_puts = 0
         self._workers_status = [True] * self._num_workers
         self._workers_num_tasks = [0] * self._num_workers
         self._worker_queue_idx_cycle = itertools.cycle(range(self._num_workers))
         if not first_iter:
+            self._events.clear()  # read ahead in the last epoch, never delivered: free their slots
             self._epoch += 1
             for channel in self._channels:
                 channel.send(("resume", self._epoch))
@@ -258,17 +279,9 @@ class _ShmLoaderIter(_BaseDataLoaderIter):
 
     # -- dispatch ----------------------------------------------------------------------------------
 
-    def _try_put_index(self, force: bool = False) -> None:
+    def _try_put_index(self) -> None:
         max_tasks = self._prefetch_factor * self._num_workers
         assert self._tasks_outstanding < max_tasks, "more tasks outstanding than prefetch allows"
-        ring = self._ring
-        if force:
-            if self._pinner is not None:
-                self._pinner.pump(wait=True)  # slots waiting for their copies' fence come back
-            ring.make_room(ring.held())
-        elif not ring.can_take():
-            self._deferred_puts += 1  # retried as soon as a batch is released
-            return
         try:
             index = self._next_index()
         except StopIteration:
@@ -282,28 +295,74 @@ class _ShmLoaderIter(_BaseDataLoaderIter):
                     break
         else:
             return
-        slot = ring.take_free_slot(prefer=self._known_generation[worker_id])
-        self._dispatch(worker_id, self._send_idx, index, slot)
-        self._task_info[self._send_idx] = (worker_id, slot)
+        self._channels[worker_id].send(("task", self._epoch, self._send_idx, index))
+        self._unreceived[(self._epoch, self._send_idx)] = worker_id
+        self._grant_in_order()
+        self._task_info[self._send_idx] = (worker_id,)
         self._workers_num_tasks[worker_id] += 1
         self._tasks_outstanding += 1
         self._send_idx += 1
 
-    def _dispatch(self, worker_id: int, idx: int, index, slot: int) -> None:
-        generation, capacity, hint = self._ring.task_geometry(slot)
+    def _grant_in_order(self, may_grow: bool = False, at_most: int | None = None) -> None:
+        """Grant free slots for the tasks whose results are owed, in the order the tasks were
+        sent, up to GRANTS_PER_WORKER ahead per worker (NOTE [ Slot grants ]).
+
+        A worker writes its tasks in order, so its k-th grant serves its k-th owed task; granting
+        in send order keeps the granted tasks a prefix of the owed ones.  When slots are scarce
+        (the user holds many batches) the earliest batch is the one that gets the slot, never a
+        later one that would only wait in the reorder buffer: no priority inversion, no deadlock.
+        Granted plus received-but-not-yielded slots stay within num_workers × prefetch_factor,
+        as torch's in-flight batches do."""
+        owed = [0] * self._num_workers
+        for worker_id in self._unreceived.values():
+            owed[worker_id] += 1
+            if owed[worker_id] > self._grant_quota or len(self._grants[worker_id]) >= owed[worker_id]:
+                continue
+            if at_most == 0 or not self._slot_available(may_grow):
+                return
+            self._grant(worker_id)
+            if at_most is not None:
+                at_most -= 1
+
+    def _grant(self, worker_id: int) -> None:
+        ring = self._ring
+        slot = ring.take_free_slot(prefer=self._known_generation[worker_id])
+        generation, capacity, hint = ring.task_geometry(slot)
         fds: tuple[int, ...] = ()
         if capacity and self._known_generation[worker_id].get(slot) != generation:
-            fds = (self._ring.fd(slot),)
+            fds = (ring.fd(slot),)
             self._known_generation[worker_id][slot] = generation
-        self._channels[worker_id].send(("task", self._epoch, idx, index, slot, generation, capacity, hint), fds)
+        self._channels[worker_id].send(("grant", slot, generation, capacity, hint), fds)
+        self._grants[worker_id].add(slot)
 
-    def _put_deferred(self) -> None:
+    def _slot_available(self, may_grow: bool) -> bool:
+        """Whether a slot can be granted now: a free one (created or not yet), one whose copy
+        fence completes (waiting for it beats growing the ring), or, when `may_grow`, a new one
+        within max_ring_slots."""
+        ring = self._ring
+        ring.collect_released()
+        if not ring.has_free_slot() and self._pinner is not None and self._pinner.pending():
+            self._pinner.pump(wait=True)  # NOTE [ Release fence ] in cuda.py
+            ring.collect_released()
+        return ring.can_take() if may_grow else ring.has_free_slot()
+
+    def _replenish(self) -> None:
+        """Take back released slots and grant them to workers that have work."""
         if self._pinner is not None:
             self._pinner.pump()  # NOTE [ Release fence ] in cuda.py
         self._ring.collect_released()
-        while self._deferred_puts and self._ring.can_take():
-            self._deferred_puts -= 1
-            self._try_put_index()
+        self._grant_in_order()
+
+    def _check_not_starved(self) -> None:
+        """Raise RingFullError if no worker with work can ever get a slot: every one that owes a
+        result has no grant, and the ring can neither free nor add a slot."""
+        owing = set(self._unreceived.values())
+        if not owing or any(self._grants[w] for w in owing):
+            return
+        if self._pinner is not None:
+            self._pinner.pump(wait=True)  # slots waiting for their copies' fence come back
+        self._ring.make_room(self._ring.held())  # collects garbage once, raises if still full
+        self._grant_in_order(may_grow=True, at_most=1)  # the earliest owed task gets a new slot
 
     # -- the next batch ------------------------------------------------------------------------------
 
@@ -317,27 +376,24 @@ class _ShmLoaderIter(_BaseDataLoaderIter):
             raise
 
     def _next_data_inner(self):
+        self._read_ahead()
+        self._replenish()
         while True:
-            self._put_deferred()
             while self._rcvd_idx < self._send_idx:
                 info = self._task_info.get(self._rcvd_idx)
                 if info:
                     worker_id = info[0]
-                    if len(info) == 3 or self._workers_status[worker_id]:
+                    if len(info) == 2 or self._workers_status[worker_id]:
                         break
                     del self._task_info[self._rcvd_idx]
                 self._rcvd_idx += 1
             else:
-                if self._deferred_puts:  # batches remain, but every slot is held by the user
-                    self._deferred_puts -= 1
-                    self._try_put_index(force=True)
-                    continue
                 if not self._persistent_workers:
                     self._shutdown_workers()
                 raise StopIteration
 
-            if len(self._task_info[self._rcvd_idx]) == 3:
-                worker_id, _slot, data = self._task_info.pop(self._rcvd_idx)
+            if len(self._task_info[self._rcvd_idx]) == 2:
+                worker_id, data = self._task_info.pop(self._rcvd_idx)
                 self._rcvd_idx += 1
                 return self._process_data(data, worker_id)
 
@@ -373,10 +429,14 @@ class _ShmLoaderIter(_BaseDataLoaderIter):
         """Block (in bounded slices) until a worker reports a result of this epoch, and return
         (idx, worker_id, batch | _Failure | _END); or, given `until`, until it returns True (then
         None).  Raises on a dead worker or on `timeout`."""
+        if until is None and self._events:
+            return self._events.popleft()
         deadline = time.monotonic() + self._timeout if self._timeout > 0 else None
         channel_of = {channel.fileno(): (worker_id, channel) for worker_id, channel in enumerate(self._channels)}
         sentinel_of = {process.sentinel: worker_id for worker_id, process in enumerate(self._workers)}
         while True:
+            self._replenish()
+            self._check_not_starved()
             wait = POLL_SECONDS if deadline is None else max(0.0, min(POLL_SECONDS, deadline - time.monotonic()))
             ready = mp_connection.wait(list(channel_of) + list(sentinel_of), timeout=wait)
             for fd in ready:
@@ -394,6 +454,8 @@ class _ShmLoaderIter(_BaseDataLoaderIter):
             for fd in ready:
                 if fd in sentinel_of and fd not in channel_of:
                     self._worker_died(sentinel_of[fd])
+            if until is not None and until():
+                return None
             if deadline is not None and time.monotonic() >= deadline:
                 waiting_on = self._task_info.get(self._rcvd_idx, (None,))[0]
                 self._shutdown_workers()
@@ -402,14 +464,35 @@ class _ShmLoaderIter(_BaseDataLoaderIter):
                     f"{self._rcvd_idx} (worker {waiting_on}); the loader has been shut down"
                 )
 
+    def _read_ahead(self) -> None:
+        """Handle every message already waiting (no blocking), so that slots come back and are
+        granted again at each next(), not only when the loop has to wait for a batch.  The
+        results are queued, in arrival order, for _wait_for_event."""
+        channel_of = {channel.fileno(): (worker_id, channel) for worker_id, channel in enumerate(self._channels)}
+        while True:
+            ready = mp_connection.wait(list(channel_of), timeout=0)
+            if not ready:
+                return
+            for fd in ready:
+                worker_id, channel = channel_of[fd]
+                try:
+                    message, fds = channel.recv()
+                except (ChannelClosed, ConnectionError):
+                    self._worker_died(worker_id)
+                event = self._handle(worker_id, message, fds)
+                if event is not None:
+                    self._events.append(event)
+
     def _handle(self, worker_id: int, message: tuple, fds: list[int]):
         kind = message[0]
         if kind == "resumed":
             self._resumed += 1
             return None
-        epoch, idx, slot = message[1], message[2], message[3]
+        epoch, idx = message[1], message[2]
+        self._unreceived.pop((epoch, idx), None)
         if kind == "ready":
-            generation, capacity = message[4], message[5]
+            slot, generation, capacity = message[3], message[4], message[5]
+            self._grants[worker_id].discard(slot)
             if fds:
                 self._ring.adopt(slot, fds[0], capacity, generation)
                 self._known_generation[worker_id][slot] = generation
@@ -421,13 +504,12 @@ class _ShmLoaderIter(_BaseDataLoaderIter):
             lease, descriptor, payload_end = self._ring.lease(slot, idx, self._release)
             batch = layout.read_batch(lease, descriptor, payload_end)
             return idx, worker_id, batch
-        self._ring.unassign(slot)
         if epoch != self._epoch:
             return None
         if kind == "end":
             return idx, worker_id, _END
         if kind == "error":
-            stage, payload = message[4], message[5]
+            stage, payload = message[3], message[4]
             return idx, worker_id, _Failure(worker_id, self._workers[worker_id].pid, idx, stage, payload)
         raise SlotProtocolError(f"unknown message {kind!r} from worker {worker_id}")
 
@@ -488,6 +570,7 @@ class _ShmLoaderIter(_BaseDataLoaderIter):
                 self._final_ring_stats = self._ring.stats()
                 self._ring.close()
             self._task_info = {}  # batches buffered for reordering: never delivered, unmap them
+            self._events.clear()
             loader = self._loader_ref()
             if loader is not None:
                 loader._final_stats = self.stats()

@@ -2,12 +2,14 @@
 
 One worker's loop (NOTE [ Slot lifecycle ] in ring.py has the slot's side):
 
-    recv task (epoch, batch n, indices, slot s [+ fd of s when new to this worker])
+    recv task (epoch, batch n, indices)
       → fetch    dataset[i] for i in indices (or the next items of its iterable stream)
       → collate  default: torch's collate with rows written straight into the slot
                  custom:  collate_fn(samples), array leaves copied once into the slot
-      → layout   descriptor + aligned leaf offsets; a slot too small is replaced by a larger
-                 segment that this worker creates (its fd travels back with the result)
+      → layout   descriptor + aligned leaf offsets
+      → slot     take a slot s granted by the main process (NOTE [ Slot grants ] in loader.py;
+                 wait for a "grant" message if none is in hand); a slot too small is replaced by
+                 a larger segment that this worker creates (its fd travels back with the result)
       → write    claim s, copy (GIL released, in C), publish s
     send ("ready", epoch, n, s, generation, capacity)
 
@@ -17,6 +19,7 @@ or draw random numbers behave exactly as under torch's DataLoader.
 
 from __future__ import annotations
 
+import collections
 import faulthandler
 import os
 import pickle
@@ -50,17 +53,18 @@ COLLATE_CUSTOM = "custom"  # the user's collate_fn, output copied once
 # What a worker is doing, as it records it in its status word (for a death report: a worker
 # killed by a signal cannot say it itself).
 STAGES = (
+    "starting up (importing modules and unpickling its arguments, before shmloader's code ran)",
     "idle (waiting for a task)",
     "unpickling the dataset, collate_fn and worker_init_fn",
     "running worker_init_fn",
     "starting the dataset (creating its iterator)",
-    "attaching its slot",
+    "waiting for a slot to write into",
     "fetching samples (dataset __getitem__ / __iter__)",
     "collating the batch (collate_fn)",
     "laying out the batch",
     "writing the batch into its slot",
 )
-(IDLE, UNPICKLING, INIT_FN, STARTING, ATTACHING, FETCHING, COLLATING, LAYING_OUT, WRITING) = range(len(STAGES))
+(BOOTING, IDLE, UNPICKLING, INIT_FN, STARTING, AWAITING_SLOT, FETCHING, COLLATING, LAYING_OUT, WRITING) = range(len(STAGES))
 
 
 STATUS_WORD = struct.Struct("<qq")  # (stage, batch), one per worker in the status segment
@@ -208,6 +212,8 @@ class _Worker:
         self.ended = False
         self.fetcher = None
         self.status = None  # the status segment, whose fd is the first message from main
+        self.grants: collections.deque[tuple[int, int, int, int]] = collections.deque()  # (slot, gen, cap, hint)
+        self.pending: collections.deque[tuple[tuple, list[int]]] = collections.deque()
 
     def _enter(self, stage: int, idx: int = -1) -> str:
         """Record the stage in this worker's status word, return its name."""
@@ -262,10 +268,15 @@ class _Worker:
     def run(self) -> None:
         self._start()
         while True:
-            message, fds = self.channel.recv()
+            message, fds = self.pending.popleft() if self.pending else self.channel.recv()
             kind = message[0]
-            if kind == "task":
-                self._task(message, fds)
+            if kind == "grant":
+                self._take_grant(message, fds)
+            elif kind == "task":
+                try:
+                    self._task(message)
+                except _Stopped:
+                    return
                 self._enter(IDLE)
             elif kind == "resume":
                 if self.init_error is None:
@@ -309,18 +320,38 @@ class _Worker:
             )
         return segment
 
-    def _task(self, message: tuple, fds: list[int]) -> None:
-        _, epoch, idx, index, slot, generation, capacity, hint = message
+    def _take_grant(self, message: tuple, fds: list[int]) -> None:
+        _, slot, generation, capacity, hint = message
+        self._attach(slot, generation, capacity, fds)
+        self.grants.append((slot, generation, capacity, hint))
+
+    def _next_grant(self, idx: int) -> tuple[int, int, int, int]:
+        """A granted slot; reads (and keeps, in order) other messages while waiting for one."""
+        if not self.grants:
+            self._enter(AWAITING_SLOT, idx)
+            while not self.grants:
+                message, fds = self.channel.recv()
+                if message[0] == "grant":
+                    self._take_grant(message, fds)
+                elif message[0] == "stop":
+                    raise _Stopped
+                else:
+                    self.pending.append((message, fds))
+        return self.grants.popleft()
+
+    def _task(self, message: tuple) -> None:
+        _, epoch, idx, index = message
         spec = self.spec
-        stage = self._enter(ATTACHING, idx)
+        stage = STAGES[IDLE]
+        grant = None
+        segment = None
         try:
-            segment = self._attach(slot, generation, capacity, fds)
             if self.init_error is not None:
                 stage, payload = self.init_error
-                self.channel.send(("error", epoch, idx, slot, stage, payload))
+                self.channel.send(("error", epoch, idx, stage, payload))
                 return
             if self.ended:
-                self.channel.send(("end", epoch, idx, slot))
+                self.channel.send(("end", epoch, idx))
                 return
             stage = self._enter(FETCHING, idx)
             try:
@@ -331,7 +362,7 @@ class _Worker:
                 if spec.dataset_kind != _DatasetKind.Iterable:
                     raise
                 self.ended = True
-                self.channel.send(("end", epoch, idx, slot))
+                self.channel.send(("end", epoch, idx))
                 return
             stage = self._enter(COLLATING, idx)
             if spec.collate_mode == COLLATE_INTO_SLOT:
@@ -343,6 +374,9 @@ class _Worker:
             del samples
             stage = self._enter(LAYING_OUT, idx)
             plan = layout.plan_batch(batch)
+            grant = self._next_grant(idx)
+            slot, generation, capacity, hint = grant
+            segment = self.segments[slot][1] if capacity else None
             stage = self._enter(WRITING, idx)
             grown = None
             if segment is None or plan.total_bytes > segment.size:
@@ -355,20 +389,30 @@ class _Worker:
                 segment, generation = grown, generation + 1
             found = segment.claim(spec.worker_id, idx)
             if found != layout._ring.FREE:
+                segment = None  # not ours to release
                 raise SlotProtocolError(f"worker {spec.worker_id} found slot {slot} in state {found}, not FREE")
             layout.write_batch(segment, plan)
             segment.publish(len(plan.descriptor), plan.total_bytes)
             del batch, plan
+            grant = None  # handed back with the result
             if grown is not None:
                 self.channel.send(("ready", epoch, idx, slot, generation, segment.size), (grown.fd,))
                 grown.close_fd()
                 self.segments[slot] = (generation, grown)  # known to the main process only now
             else:
                 self.channel.send(("ready", epoch, idx, slot, generation, segment.size))
-        except (ChannelClosed, BrokenPipeError, ConnectionResetError):
+        except (ChannelClosed, BrokenPipeError, ConnectionResetError, _Stopped):
             raise
         except Exception as exc:
-            self.channel.send(("error", epoch, idx, slot, stage, exception_payload(exc)))
+            if grant is not None:  # the batch failed: the slot stays this worker's, unwritten
+                if segment is not None and segment.state() == layout._ring.WRITING:
+                    segment.release()
+                self.grants.appendleft(grant)
+            self.channel.send(("error", epoch, idx, stage, exception_payload(exc)))
+
+
+class _Stopped(Exception):
+    """The main process said stop while this worker waited for a slot."""
 
 
 def _identity(samples):
