@@ -28,8 +28,8 @@ from .measure import MemWatch, run_once, seed_costs, wait_quiet
 from .transports import all_transports, cores, shmloader_status
 from .workloads import (
     DEFAULT_SIZES,
-    MiB,
     WORKLOADS,
+    MiB,
     parse_size,
     seed001_points,
     small_points,

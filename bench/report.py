@@ -304,14 +304,23 @@ def _series(points: list[dict], metric: str, x_of) -> dict[str, list[tuple]]:
     return {k: sorted(v) for k, v in out.items()}
 
 
-def _draw(ax, series: dict, scale: float = 1.0) -> None:
+SEED_LABELS = {
+    "torch-pickle": "torch, posted collate (pickle)",
+    "torch-shm": "torch, default_collate (shm)",
+    "shmloader-np": "shmloader, posted collate",
+    "shmloader": "shmloader, default_collate",
+}
+
+
+def _draw(ax, series: dict, scale: float = 1.0, labels: dict | None = None) -> None:
     for tname, pts in series.items():
         xs = [p[0] for p in pts]
         ys = [p[1] * scale for p in pts]
         err = [[(p[1] - p[2]) * scale for p in pts], [(p[3] - p[1]) * scale for p in pts]]
         style = "--" if tname.startswith("memcpy") else "-"
         ax.errorbar(xs, ys, yerr=err, marker="o", ms=4, ls=style, capsize=3,
-                    color=COLORS.get(tname), label=tname)
+                    color=COLORS.get(tname, "gray" if tname.startswith("memcpy") else None),
+                    label=(labels or {}).get(tname, tname))
 
 
 def plot(doc: dict, outdir: str, prefix: str) -> list[str]:
@@ -324,7 +333,7 @@ def plot(doc: dict, outdir: str, prefix: str) -> list[str]:
     made = []
     machine = f"{doc['machine'].get('cpu')}, {doc['machine'].get('cores')} cores"
     tp = [p for p in doc["points"] if p["workload"] == "transport"]
-    consumers = sorted({p["consumer"] for p in tp})
+    consumers = sorted({p["consumer"] for p in tp}, key=lambda c: (c != "touch", c))
 
     def size_axis(ax):
         ax.set_xscale("log", base=2)
@@ -368,7 +377,7 @@ def plot(doc: dict, outdir: str, prefix: str) -> list[str]:
             pts = [p for p in sp if p["label"] == it]
             series = _series(pts, "s_per_batch", lambda p: p["num_workers"])
             series = {k: v for k, v in series.items() if not k.startswith("memcpy")}
-            _draw(ax, series)
+            _draw(ax, series, labels=SEED_LABELS)
             bx = sorted((p["num_workers"], bounds[p["key"]]) for p in pts if p["key"] in bounds)
             if bx:
                 ax.plot([b[0] for b in bx], [b[1] for b in bx], "k:", marker="x",

@@ -118,6 +118,9 @@ def ring_info(loader) -> dict | None:
         v = s.get(k) if isinstance(s, dict) else getattr(s, k, None)
         if v is not None:
             out[k] = v
+    cb = s.get("control_bytes_per_batch") if isinstance(s, dict) else getattr(s, "control_bytes_per_batch", None)
+    if cb is not None:
+        out["control_bytes_per_batch"] = cb  # what crosses the sockets per batch: no array data
     if out.get("ring_slots") and out.get("slot_bytes"):
         out["max_ring_bytes"] = out["ring_slots"] * out["slot_bytes"]
     return out

@@ -31,7 +31,6 @@ from bench.measure import (
 from bench.transports import all_transports, make_loader, ring_info, time_memcpy
 from bench.workloads import (
     MiB,
-    Point,
     parse_size,
     seed001_points,
     size_label,
