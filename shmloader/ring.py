@@ -7,7 +7,7 @@ NOTE [ Slot lifecycle ]
   /dev/shm.  Its pages are reserved with posix_fallocate when it is created, so a /dev/shm that
   is too small is a ShmCapacityError then, never a SIGBUS in a worker later.
 
-  main: free ──dispatch──▶ worker k: claim (WRITING) ──publish──▶ READY ──main: acquire──▶ LEASED
+  main: free ──grant───▶ worker k: claim (WRITING) ──publish──▶ READY ──main: acquire──▶ LEASED
           ▲                                                                              │
           └──────────────── the SlotLease dies (last view of the batch freed) ───────────┘
 
@@ -20,10 +20,12 @@ NOTE [ Slot lifecycle ]
 
 NOTE [ Ring size ]
   depth = num_workers × prefetch_factor (batches in flight, as torch counts them) + CONSUMER_SLOTS
-  (batches the training loop holds: the one in use and the one being fetched).  When the user
-  holds more, the ring adds slots up to `max_slots` (default 2 × depth) and then raises
-  RingFullError rather than wait for a release that may never come.  Slot size is learnt from the
-  first batch (page-rounded) unless `slot_bytes` is given; a larger batch grows only its slot.
+  (batches the training loop holds: the one in use and the one being fetched).  Slots are created
+  on first use, and a slot is bound to a batch only once the batch exists (NOTE [ Slot grants ] in
+  loader.py), so a loop that keeps up creates far fewer than `depth`.  When the user holds more,
+  the ring adds slots up to `max_slots` (default 2 × depth) and then raises RingFullError rather
+  than wait for a release that may never come.  Slot size is learnt from the first batch
+  (page-rounded) unless `slot_bytes` is given; a larger batch grows only its slot.
 """
 
 from __future__ import annotations
