@@ -199,8 +199,10 @@ def steady_warmup(num_workers: int, prefetch_factor: int = 2) -> int:
     """Untimed batches before the clock starts: more than a loader can have prefetched, and more
     than shmloader's ring has slots (``num_workers * prefetch_factor`` in flight + 2 the consumer
     may hold), so that the one-time costs (start-up, each ring slot's creation) stay out of the
-    steady-state figure. They are in ``ttfb_s`` and ``warmup_s`` instead."""
-    return max(2, num_workers * prefetch_factor + 3)
+    steady-state figure. They are in ``ttfb_s`` and ``warmup_s`` instead.  Twice the ring's depth:
+    shmloader creates a slot only when a finished batch needs one (NOTE [ Slot grants ]), so the
+    last slots may be created a while after the start."""
+    return max(2, 2 * (num_workers * prefetch_factor + 2) + 3)
 
 
 def _timed_batches(batch_bytes: int, quick: bool) -> int:
