@@ -320,13 +320,16 @@ class _ShmLoaderIter(_BaseDataLoaderIter):
                 continue
             if at_most == 0 or not self._slot_available(may_grow):
                 return
-            self._grant(worker_id)
+            ahead = owed[worker_id] > 1  # a grant to go on with: never worth creating a slot for
+            if ahead and not self._ring.has_free_created_slot():
+                continue
+            self._grant(worker_id, created_only=ahead)
             if at_most is not None:
                 at_most -= 1
 
-    def _grant(self, worker_id: int) -> None:
+    def _grant(self, worker_id: int, created_only: bool = False) -> None:
         ring = self._ring
-        slot = ring.take_free_slot(prefer=self._known_generation[worker_id])
+        slot = ring.take_free_slot(prefer=self._known_generation[worker_id], created_only=created_only)
         generation, capacity, hint = ring.task_geometry(slot)
         fds: tuple[int, ...] = ()
         if capacity and self._known_generation[worker_id].get(slot) != generation:

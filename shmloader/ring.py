@@ -173,30 +173,32 @@ class Ring:
         self.collect_released()
         return bool(self._free) or self.may_grow()
 
-    def take_free_slot(self, prefer: dict[int, int] | None = None) -> int:
-        """A free slot for the next task (growing the ring if needed and allowed).
+    def has_free_created_slot(self) -> bool:
+        self.collect_released()
+        return any(self._segments[slot] is not None for slot in self._free)
+
+    def take_free_slot(self, prefer: dict[int, int] | None = None, created_only: bool = False) -> int:
+        """A free slot to grant (growing the ring if needed and allowed).
 
         Prefers a slot the receiving worker has mapped already (`prefer`: slot -> generation it
         knows), then one not created yet, so each worker maps few slots (each mapping costs page
-        table set-up for the whole slot)."""
+        table set-up for the whole slot); `created_only` never picks a slot still to be created."""
         self.collect_released()
         if not self._free:
             if not self.may_grow():
                 raise RingFullError(f"no free slot among {self.depth} (max_ring_slots={self.max_slots})")
             self._free.append(self._add_slot())
-        chosen = None
-        if prefer:
-            for slot in self._free:
-                if prefer.get(slot) == self._generations[slot] and self._segments[slot] is not None:
-                    chosen = slot
-                    break
-        if chosen is None:
-            for slot in self._free:
-                if self._segments[slot] is None:
-                    chosen = slot
-                    break
-        if chosen is None:
-            chosen = self._free[0]
+        prefer = prefer or {}
+        created = [s for s in self._free if self._segments[s] is not None]
+        known = [s for s in created if prefer.get(s) == self._generations[s]]
+        uncreated = [s for s in self._free if self._segments[s] is None]
+        if created_only:
+            order = known + created
+        else:
+            order = known + uncreated + created
+        if not order:
+            raise RingFullError(f"no created free slot among {self.depth}")
+        chosen = order[0]
         self._free.remove(chosen)
         self._states[chosen] = _DISPATCHED
         return chosen
