@@ -56,14 +56,14 @@ cdef class Segment:
     cdef public object before_unmap
     cdef object __weakref__
 
-    def __cinit__(self, int fd, uint64_t size):
+    def __cinit__(self, int fd, uint64_t size, bint populate=True):
         self._base = NULL
         self._fd = -1
         if size < SHM_HEADER_BYTES:
             raise ValueError(f"a slot segment needs at least {SHM_HEADER_BYTES} bytes, got {size}")
         cdef void *p
         with nogil:
-            p = shm_map(fd, size)
+            p = shm_map(fd, size, populate)
         if p == NULL:
             raise OSError(errno, f"mmap of a {size}-byte slot segment failed: {os.strerror(errno)}")
         self._base = <char *>p

@@ -63,9 +63,11 @@ static inline int shm_reserve(int fd, uint64_t bytes) {
     return rc;
 }
 
-/* Map a segment read-write and shared, with its page tables populated up front. */
-static inline void *shm_map(int fd, uint64_t bytes) {
-    void *p = mmap(NULL, (size_t)bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd, 0);
+/* Map a segment read-write and shared; `populate` sets up its page tables now (a writer that
+ * fills the whole slot wants that; a reader that may touch little of it does not). */
+static inline void *shm_map(int fd, uint64_t bytes, int populate) {
+    void *p = mmap(NULL, (size_t)bytes, PROT_READ | PROT_WRITE,
+                   MAP_SHARED | (populate ? MAP_POPULATE : 0), fd, 0);
     return p == MAP_FAILED ? NULL : p;
 }
 

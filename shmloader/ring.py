@@ -246,7 +246,9 @@ class Ring:
             raise SlotProtocolError(
                 f"slot {slot} came back at generation {generation}, expected {self._generations[slot] + 1}"
             )
-        segment = _ring.Segment(fd, capacity)
+        # Not populated: the training loop may read little of a slot (page tables for what it
+        # touches are set up once, and stay while the slot is reused).
+        segment = _ring.Segment(fd, capacity, populate=False)
         old = self._segments[slot]
         self._segments[slot] = segment
         self._generations[slot] = generation
