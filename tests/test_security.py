@@ -3,7 +3,7 @@
 Segments are created exclusively (O_CREX), mode 0600, under 128-bit random names that exist only
 for the instant between shm_open and shm_unlink; workers refuse a slot whose header disagrees with
 the task (size, generation, magic, version); the main process refuses a header or a descriptor
-that points outside its slot.  See docs/reliability.md for the trust model.
+that points outside its slot.  The trust model is in the README (Reliability).
 """
 
 from __future__ import annotations
