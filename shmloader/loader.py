@@ -444,12 +444,7 @@ class _ShmLoaderIter(_BaseDataLoaderIter):
             ready = mp_connection.wait(list(channel_of) + list(sentinel_of), timeout=wait)
             for fd in ready:
                 if fd in channel_of:
-                    worker_id, channel = channel_of[fd]
-                    try:
-                        message, fds = channel.recv()
-                    except (ChannelClosed, ConnectionError):
-                        self._worker_died(worker_id)
-                    event = self._handle(worker_id, message, fds)
+                    event = self._receive(*channel_of[fd])
                     if event is not None:
                         return event
                     if until is not None and until():
@@ -477,14 +472,17 @@ class _ShmLoaderIter(_BaseDataLoaderIter):
             if not ready:
                 return
             for fd in ready:
-                worker_id, channel = channel_of[fd]
-                try:
-                    message, fds = channel.recv()
-                except (ChannelClosed, ConnectionError):
-                    self._worker_died(worker_id)
-                event = self._handle(worker_id, message, fds)
+                event = self._receive(*channel_of[fd])
                 if event is not None:
                     self._events.append(event)
+
+    def _receive(self, worker_id: int, channel: Channel):
+        """Read and handle one message of a worker; a closed socket is a dead worker."""
+        try:
+            message, fds = channel.recv()
+        except (ChannelClosed, ConnectionError):
+            self._worker_died(worker_id)
+        return self._handle(worker_id, message, fds)
 
     def _handle(self, worker_id: int, message: tuple, fds: list[int]):
         kind = message[0]
