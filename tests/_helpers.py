@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import collections.abc
 import copy
+import dataclasses
 
 import numpy as np
 import torch
@@ -99,3 +100,17 @@ def in_ring(leaf, iterator) -> bool:
     start = address_of(leaf)
     end = start + nbytes_of(leaf)
     return any(s.address <= start and end <= s.address + s.size for s in iterator._ring.segments())
+
+
+def array_leaves(obj):
+    """Every tensor and numpy array in a batch (dicts, lists, tuples, dataclasses)."""
+    if isinstance(obj, dict):
+        for value in obj.values():
+            yield from array_leaves(value)
+    elif isinstance(obj, (list, tuple)):
+        for value in obj:
+            yield from array_leaves(value)
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        yield from array_leaves([getattr(obj, f.name) for f in dataclasses.fields(obj)])
+    elif isinstance(obj, (torch.Tensor, np.ndarray)):
+        yield obj

@@ -17,7 +17,7 @@ from shmloader._ring import FREE, HEADER_BYTES, LEAF_ALIGN, READY, SlotLease
 from shmloader.ring import create_segment
 
 from . import _datasets as ds
-from ._helpers import address_of, assert_same, nbytes_of
+from ._helpers import address_of, array_leaves, assert_same, nbytes_of
 
 pytestmark = [pytest.mark.timeout(30), pytest.mark.usefixtures("no_leaks")]
 
@@ -44,19 +44,6 @@ def _write(structure, sequence: int = 7):
     lease = SlotLease(segment, 3, 0, sequence, released.append)
     descriptor = segment.read(HEADER_BYTES, len(plan.descriptor))
     return layout.read_batch(lease, descriptor, plan.total_bytes), released, segment
-
-
-def _leaves(obj):
-    if isinstance(obj, dict):
-        for value in obj.values():
-            yield from _leaves(value)
-    elif isinstance(obj, (list, tuple)):
-        for value in obj:
-            yield from _leaves(value)
-    elif dataclasses.is_dataclass(obj):
-        yield from _leaves([getattr(obj, f.name) for f in dataclasses.fields(obj)])
-    elif isinstance(obj, (torch.Tensor, np.ndarray)):
-        yield obj
 
 
 NUMPY_DTYPES = [np.bool_, np.uint8, np.int8, np.int16, np.uint16, np.int32, np.uint32, np.int64,
@@ -100,7 +87,7 @@ def test_round_trip(name):
         assert_same(batch["b"], structure["b"])
     else:
         assert_same(batch, structure)
-    for leaf in _leaves(batch):  # every non-empty strided leaf is a view into the slot, aligned
+    for leaf in array_leaves(batch):  # every non-empty strided leaf is a view into the slot, aligned
         if nbytes_of(leaf) and getattr(leaf, "layout", torch.strided) == torch.strided:
             assert segment.address + HEADER_BYTES <= address_of(leaf)
             assert address_of(leaf) + nbytes_of(leaf) <= segment.address + segment.size

@@ -21,6 +21,7 @@ from shmloader._ring import SlotLease
 from . import _datasets as ds
 from ._helpers import (
     address_of,
+    array_leaves,
     assert_same,
     assert_same_batches,
     collect,
@@ -33,17 +34,6 @@ pytestmark = [pytest.mark.timeout(60), pytest.mark.usefixtures("no_leaks")]
 
 WORKERS, PREFETCH = 2, 2
 DEPTH = WORKERS * PREFETCH + 2  # NOTE [ Ring size ]: in flight + CONSUMER_SLOTS
-
-
-def _leaves(obj):
-    if isinstance(obj, dict):
-        for value in obj.values():
-            yield from _leaves(value)
-    elif isinstance(obj, (list, tuple)):
-        for value in obj:
-            yield from _leaves(value)
-    elif isinstance(obj, (torch.Tensor, np.ndarray)):
-        yield obj
 
 
 def _slot_of(iterator, leaf) -> int:
@@ -206,7 +196,7 @@ def test_delivered_leaves_lie_inside_ring_slots(collate_fn):
     it = iter(shm)
     count = 0
     for batch in it:
-        for leaf in _leaves(batch):
+        for leaf in array_leaves(batch):
             if nbytes_of(leaf):
                 assert in_ring(leaf, it), f"{type(leaf).__name__} at {address_of(leaf):#x} is not in a slot"
                 count += 1
