@@ -9,6 +9,7 @@ its frame header.  One stream socket per worker keeps the order of messages and 
 from __future__ import annotations
 
 import array
+import os
 import pickle
 import socket
 import struct
@@ -99,8 +100,6 @@ class Channel:
 
 
 def _close_quietly(fd: int) -> None:
-    import os
-
     try:
         os.close(fd)
     except OSError:

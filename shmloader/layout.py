@@ -31,7 +31,7 @@ import torch
 from torch.utils.data._utils import collate as torch_collate
 
 from . import _ring
-from .errors import BatchShapeError, LayoutError
+from .errors import BatchShapeError, LayoutError, SlotProtocolError
 
 HEADER_BYTES = _ring.HEADER_BYTES
 ALIGN = _ring.LEAF_ALIGN
@@ -321,8 +321,6 @@ class _SlotUnpickler(pickle.Unpickler):
         start = self.payload_base + offset
         itemsize = dtype.itemsize
         if start + count * itemsize > self.payload_end:
-            from .errors import SlotProtocolError
-
             raise SlotProtocolError(
                 f"a leaf of {count * itemsize} bytes at offset {start} lies past the slot's "
                 f"payload end {self.payload_end}"

@@ -252,6 +252,11 @@ class _ShmLoaderIter(_BaseDataLoaderIter):
         except BaseException:
             self._shutdown_workers()
             raise
+        # What every wait selects on, built once (the workers are fixed for this iterator).
+        self._channel_of = {c.fileno(): (worker_id, c) for worker_id, c in enumerate(self._channels)}
+        self._channel_fds = list(self._channel_of)
+        self._sentinel_of = {p.sentinel: worker_id for worker_id, p in enumerate(self._workers)}
+        self._wait_fds = self._channel_fds + list(self._sentinel_of)
         self._reset(loader, first_iter=True)
 
     # -- epochs ------------------------------------------------------------------------------------
@@ -435,13 +440,12 @@ class _ShmLoaderIter(_BaseDataLoaderIter):
         if until is None and self._events:
             return self._events.popleft()
         deadline = time.monotonic() + self._timeout if self._timeout > 0 else None
-        channel_of = {channel.fileno(): (worker_id, channel) for worker_id, channel in enumerate(self._channels)}
-        sentinel_of = {process.sentinel: worker_id for worker_id, process in enumerate(self._workers)}
+        channel_of, sentinel_of = self._channel_of, self._sentinel_of
         while True:
             self._replenish()
             self._check_not_starved()
             wait = POLL_SECONDS if deadline is None else max(0.0, min(POLL_SECONDS, deadline - time.monotonic()))
-            ready = mp_connection.wait(list(channel_of) + list(sentinel_of), timeout=wait)
+            ready = mp_connection.wait(self._wait_fds, timeout=wait)
             for fd in ready:
                 if fd in channel_of:
                     event = self._receive(*channel_of[fd])
@@ -466,9 +470,9 @@ class _ShmLoaderIter(_BaseDataLoaderIter):
         """Handle every message already waiting (no blocking), so that slots come back and are
         granted again at each next(), not only when the loop has to wait for a batch.  The
         results are queued, in arrival order, for _wait_for_event."""
-        channel_of = {channel.fileno(): (worker_id, channel) for worker_id, channel in enumerate(self._channels)}
+        channel_of = self._channel_of
         while True:
-            ready = mp_connection.wait(list(channel_of), timeout=0)
+            ready = mp_connection.wait(self._channel_fds, timeout=0)
             if not ready:
                 return
             for fd in ready:

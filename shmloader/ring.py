@@ -49,7 +49,8 @@ PAGE = os.sysconf("SC_PAGE_SIZE")
 CONSUMER_SLOTS = 2
 MIN_HEADROOM = 64 * 1024
 
-_FREE, _DISPATCHED, _READY, _LEASED = "free", "dispatched", "ready", "leased"
+# The main process's view of a slot (the header's state word has WRITING/READY in between).
+_FREE, _DISPATCHED, _LEASED = "free", "granted", "leased"
 
 
 def page_round(nbytes: int) -> int:
