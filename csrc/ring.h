@@ -12,8 +12,9 @@
  *     ^                                                                              |
  *     +---------------------------- main releases (last view gone) -----------------+
  *
- * A dead worker's WRITING slot is reset to FREE by the main process (see NOTE [ Slot lifecycle ]
- * in shmloader/ring.py).  Array bytes are written before the release-store of READY; the main
+ * A dead worker's slot is never reset: the loader shuts down and closes the ring when a worker
+ * dies (NOTE [ Slot lifecycle ] in shmloader/ring.py).  Array bytes are written before the
+ * release-store of READY; the main
  * process reads them after its acquire-load, so no torn batch can be observed.
  */
 #ifndef SHMLOADER_RING_H
@@ -115,7 +116,8 @@ static inline uint32_t slot_acquire(shm_slot_header *h) {
     return expected;
 }
 
-/* Any state -> FREE (the main process's release, or its reclaim of a dead worker's slot). */
+/* Any state -> FREE: the main process's release of a slot whose batch is gone, or a worker's
+ * undoing of its own claim when writing the batch failed. */
 static inline void slot_release(shm_slot_header *h) {
     h->writer = -1;
     __atomic_store_n(&h->state, SHM_SLOT_FREE, __ATOMIC_RELEASE);

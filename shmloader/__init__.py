@@ -5,6 +5,7 @@ from .cuda import CudaUnavailableError
 from .errors import (
     BatchShapeError,
     LayoutError,
+    LoaderBrokenError,
     LoaderTimeoutError,
     RingFullError,
     ShmCapacityError,
@@ -26,6 +27,7 @@ __all__ = [
     "WorkerDiedError",
     "WorkerError",
     "LoaderTimeoutError",
+    "LoaderBrokenError",
     "RingFullError",
     "ShmCapacityError",
     "LayoutError",

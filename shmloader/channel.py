@@ -58,39 +58,42 @@ class Channel:
         self.messages_sent += 1
 
     def recv(self) -> tuple[tuple, list[int]]:
-        """The next message and the fds that came with it (the caller owns them)."""
-        frame = bytearray()
+        """The next message and the fds that came with it (the caller owns them; if no whole
+        message arrives, those that did are closed here)."""
         fds: list[int] = []
-        while len(frame) < _FRAME.size:
-            data, ancillary, _flags, _addr = self.sock.recvmsg(
-                _FRAME.size - len(frame), socket.CMSG_SPACE(_MAX_FDS * 4)
-            )
-            if not data:
-                for fd in fds:
-                    _close_quietly(fd)
-                raise ChannelClosed("the peer closed the control socket")
-            frame += data
-            for level, kind, blob in ancillary:
-                if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-                    got = array.array("i")
-                    got.frombytes(blob[: len(blob) - len(blob) % got.itemsize])
-                    fds.extend(got)
-        length, nfds = _FRAME.unpack(frame)
-        if nfds != len(fds):
+        try:
+            frame = bytearray()
+            while len(frame) < _FRAME.size:
+                data, ancillary, _flags, _addr = self.sock.recvmsg(
+                    _FRAME.size - len(frame), socket.CMSG_SPACE(_MAX_FDS * 4)
+                )
+                for level, kind, blob in ancillary:
+                    if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                        got = array.array("i")
+                        got.frombytes(blob[: len(blob) - len(blob) % got.itemsize])
+                        fds.extend(got)
+                if not data:
+                    raise ChannelClosed("the peer closed the control socket")
+                frame += data
+            length, nfds = _FRAME.unpack(frame)
+            if nfds != len(fds):
+                raise ConnectionError(f"control message announced {nfds} fds, {len(fds)} arrived")
+            payload = bytearray(length)
+            view = memoryview(payload)
+            received = 0
+            while received < length:
+                n = self.sock.recv_into(view[received:], length - received)
+                if n == 0:
+                    raise ChannelClosed("the peer closed the control socket mid-message")
+                received += n
+            message = pickle.loads(payload)
+        except BaseException:
             for fd in fds:
                 _close_quietly(fd)
-            raise ConnectionError(f"control message announced {nfds} fds, {len(fds)} arrived")
-        payload = bytearray(length)
-        view = memoryview(payload)
-        got = 0
-        while got < length:
-            n = self.sock.recv_into(view[got:], length - got)
-            if n == 0:
-                raise ChannelClosed("the peer closed the control socket mid-message")
-            got += n
+            raise
         self.bytes_received += _FRAME.size + length
         self.messages_received += 1
-        return pickle.loads(payload), fds
+        return message, fds
 
     def close(self) -> None:
         self.sock.close()

@@ -39,17 +39,20 @@ class ShmLoaderError(Exception):
 class WorkerDiedError(ShmLoaderError, RuntimeError):
     """A worker process ended while the loader still needed it."""
 
-    def __init__(self, worker_id: int, pid: int | None, exitcode: int | None, doing: str = ""):
+    def __init__(self, worker_id: int, pid: int | None, exitcode: int | None, doing: str = "",
+                 crash_report: str = ""):
         self.worker_id, self.pid, self.exitcode = worker_id, pid, exitcode
+        self.crash_report = crash_report
         detail = f" while {doing}" if doing else ""
+        report = f"\nThe worker's faulthandler report:\n{crash_report}" if crash_report else ""
         super().__init__(
             f"DataLoader worker {worker_id} (pid {pid}) {describe_exit(exitcode)}{detail}; "
-            "the loader has been shut down"
+            f"the loader has been shut down{report}"
         )
         self._doing = doing
 
     def __reduce__(self):
-        return (type(self), (self.worker_id, self.pid, self.exitcode, self._doing))
+        return (type(self), (self.worker_id, self.pid, self.exitcode, self._doing, self.crash_report))
 
 
 class LoaderTimeoutError(ShmLoaderError, RuntimeError, TimeoutError):
@@ -57,7 +60,12 @@ class LoaderTimeoutError(ShmLoaderError, RuntimeError, TimeoutError):
 
 
 class RingFullError(ShmLoaderError, RuntimeError):
-    """The training loop holds every slot of a ring that may not grow any more."""
+    """The batches the training loop holds reach the cap it set (max_ring_slots / max_ring_bytes)."""
+
+
+class LoaderBrokenError(ShmLoaderError, RuntimeError):
+    """next() on an iterator that an earlier error shut down (a dead worker, a timeout, Ctrl-C,
+    a protocol error), naming that error.  An iterator that simply ended raises StopIteration."""
 
 
 class ShmCapacityError(ShmLoaderError, MemoryError):

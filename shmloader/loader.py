@@ -21,8 +21,11 @@ NOTE [ Slot grants ]
   process grants another.  So a slot is bound only to a batch that exists: the ring's depth
   (NOTE [ Ring size ]) is a cap, and the slots actually created are about the granted ones plus
   the batches waiting to be consumed, far fewer than num_workers × prefetch_factor when the
-  training loop keeps up.  A worker that has a batch and no grant waits for one on its socket;
-  when the training loop holds every slot the ring may have, the wait raises RingFullError.
+  training loop keeps up.  A worker that has a batch and no grant waits for one on its socket.
+  When no slot is free because the training loop holds batches, the ring detaches the
+  longest-held one (NOTE [ Held batches ] in ring.py) and the workers that mapped it are told to
+  forget it ("forget" messages), as they are for a slot's pre-growth segment.  Only under a cap
+  the user set can a worker wait for good: then RingFullError.
 
 Order, seeding, `len()`, epochs, `persistent_workers`, `in_order` and iterable datasets follow
 torch's `_MultiProcessingDataLoaderIter` exactly (this iterator derives from torch's base class,
@@ -33,6 +36,10 @@ NOTE [ Shutdown ]
   every worker, give them a moment, terminate the rest (safe: slot segments have no names to leak
   and the kernel closes their fds), join, close the sockets and the process sentinels, then close
   the ring.  Slots whose batches the user still holds stay mapped until those views are freed.
+  A shutdown caused by an error leaves the iterator *broken*: every later next() raises
+  LoaderBrokenError (its __cause__ the original error) rather than end the epoch quietly; an
+  epoch that simply ended raises StopIteration.  A worker's own exception inside a task is not
+  an error of the loader: it is raised at its batch's turn and the epoch goes on, as in torch.
 """
 
 from __future__ import annotations
@@ -43,6 +50,7 @@ import os
 import time
 import weakref
 from dataclasses import dataclass
+from typing import TypeVar
 from multiprocessing import connection as mp_connection
 
 import torch
@@ -52,7 +60,9 @@ from torch.utils.data.dataloader import _BaseDataLoaderIter
 
 from . import layout
 from .channel import Channel, ChannelClosed
+from .crashlog import CrashLog
 from .errors import (
+    LoaderBrokenError,
     LoaderTimeoutError,
     RemoteTraceback,
     SlotProtocolError,
@@ -77,15 +87,29 @@ GRANTS_PER_WORKER = 2  # NOTE [ Slot grants ]: the slot being written + one to g
 POLL_SECONDS = 0.5  # longest blind wait: sentinels and timeouts are checked at least this often
 STOP_GRACE_SECONDS = 0.5  # how long stopped workers get before they are terminated
 
+_T_co = TypeVar("_T_co", covariant=True)
+
 
 @dataclass(frozen=True)
 class LoaderStats:
-    """A snapshot of the loader's ring and control channel (see NOTE [ Ring size ])."""
+    """A snapshot of the loader's shared memory and control channel (NOTE [ Ring size ] and
+    NOTE [ Held batches ] in ring.py).
+
+    ring_slots: the ring's working depth; slot_bytes: the size a new slot gets;
+    ring_bytes: shared memory of the ring's own slots; held_segments / held_bytes: segments
+    detached from the ring for batches the training loop holds, still alive;
+    reserved_bytes: all shared memory reserved now (ring + held); in_use_bytes: of which hold a
+    batch now (being written, waiting, or held); detached: slots handed over to held batches so
+    far; slot_grows: slots replaced by a larger segment so far."""
 
     ring_slots: int
     slot_bytes: int
     ring_bytes: int
-    ring_grows: int
+    held_segments: int
+    held_bytes: int
+    reserved_bytes: int
+    in_use_bytes: int
+    detached: int
     slot_grows: int
     batches: int
     control_bytes: int
@@ -96,26 +120,29 @@ class LoaderStats:
         return self.control_bytes / self.batches if self.batches else 0.0
 
 
-class ShmDataLoader(DataLoader):
+class ShmDataLoader(DataLoader[_T_co]):
     """A drop-in for `torch.utils.data.DataLoader` whose workers hand over batches through shared
     memory.  Takes every DataLoader argument, plus:
 
     slot_bytes: initial size of each ring slot; by default learnt from the first batch (its size
         rounded to pages).  A batch larger than its slot grows that slot (1/8 headroom, at least
         1.5 × its size); nothing is ever written past a slot.
-    max_ring_slots: how many slots the ring may grow to when the training loop holds on to
-        batches (default 2 × (num_workers × prefetch_factor + 2)); past it, RingFullError.
+    max_ring_slots, max_ring_bytes: a cap on the shared-memory segments alive at once (the
+        ring's and those of batches the training loop holds), only if you want one; past it,
+        RingFullError.  By default held batches take what they need, as with torch
+        (NOTE [ Held batches ] in ring.py).
     """
 
     def __init__(self, dataset, batch_size=1, shuffle=None, sampler=None, batch_sampler=None,
                  num_workers=0, collate_fn=None, pin_memory=False, drop_last=False, timeout=0,
                  worker_init_fn=None, multiprocessing_context=None, generator=None, *,
                  prefetch_factor=None, persistent_workers=False, pin_memory_device="",
-                 in_order=True, slot_bytes: int | None = None, max_ring_slots: int | None = None):
-        if slot_bytes is not None and (not isinstance(slot_bytes, int) or isinstance(slot_bytes, bool) or slot_bytes <= 0):
-            raise ValueError(f"slot_bytes must be a positive int or None, got {slot_bytes!r}")
-        if max_ring_slots is not None and (not isinstance(max_ring_slots, int) or isinstance(max_ring_slots, bool) or max_ring_slots < 1):
-            raise ValueError(f"max_ring_slots must be an int >= 1 or None, got {max_ring_slots!r}")
+                 in_order=True, slot_bytes: int | None = None, max_ring_slots: int | None = None,
+                 max_ring_bytes: int | None = None):
+        for name, value, least in (("slot_bytes", slot_bytes, 1), ("max_ring_slots", max_ring_slots, 1),
+                                   ("max_ring_bytes", max_ring_bytes, 1)):
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < least):
+                raise ValueError(f"{name} must be an int >= {least} or None, got {value!r}")
         super().__init__(
             dataset, batch_size=batch_size, shuffle=shuffle, sampler=sampler,
             batch_sampler=batch_sampler, num_workers=num_workers, collate_fn=collate_fn,
@@ -127,6 +154,7 @@ class ShmDataLoader(DataLoader):
         )
         self.slot_bytes = slot_bytes
         self.max_ring_slots = max_ring_slots
+        self.max_ring_bytes = max_ring_bytes
         self._last_iterator: weakref.ref | None = None
         self._final_stats: LoaderStats | None = None
 
@@ -154,12 +182,16 @@ class ShmDataLoader(DataLoader):
 class _Failure:
     """A worker's exception, to be raised when its batch's turn comes (as torch does)."""
 
-    def __init__(self, worker_id: int, pid: int | None, idx: int, stage: str, payload: tuple):
+    def __init__(self, worker_id: int, pid: int | None, idx: int | None, stage: str, payload: tuple):
         self.worker_id, self.pid, self.idx, self.stage, self.payload = worker_id, pid, idx, stage, payload
 
     def reraise(self):
         blob, type_name, message, text = self.payload
-        where = f"in DataLoader worker {self.worker_id} (pid {self.pid}) while {self.stage} for batch {self.idx}"
+        where = f"in DataLoader worker {self.worker_id} (pid {self.pid}) while {self.stage}"
+        if self.idx is not None:
+            where += f" for batch {self.idx}"
+        else:  # outside any task: the worker has exited
+            where += "; the worker exited and the loader has been shut down"
         original = None
         if blob is not None:
             try:
@@ -196,6 +228,8 @@ class _ShmLoaderIter(_BaseDataLoaderIter):
         self._workers: list = []
         self._channels: list[Channel] = []
         self._status = None  # one [stage, batch] word per worker, read when a worker dies
+        self._crash_logs: list[CrashLog] = []  # each worker's faulthandler output
+        self._broken: str | None = None  # "Type: message" of the error that shut it down
         self._ring: Ring | None = None
         self._final_ring_stats: RingStats | None = None
         self._batches = 0
@@ -204,7 +238,8 @@ class _ShmLoaderIter(_BaseDataLoaderIter):
         context = loader.multiprocessing_context or torch.multiprocessing
         start_method = context.get_start_method()
         max_tasks = self._prefetch_factor * self._num_workers
-        self._ring = Ring(max_tasks + CONSUMER_SLOTS, loader.slot_bytes, loader.max_ring_slots)
+        self._ring = Ring(max_tasks + CONSUMER_SLOTS, loader.slot_bytes, loader.max_ring_slots,
+                          getattr(loader, "max_ring_bytes", None))
         self._release = self._ring.release_callback()
         self._known_generation: list[dict[int, int]] = [{} for _ in range(self._num_workers)]
         self._grants: list[set[int]] = [set() for _ in range(self._num_workers)]
@@ -234,7 +269,10 @@ class _ShmLoaderIter(_BaseDataLoaderIter):
             for worker_id in range(self._num_workers):
                 channel, child_sock = Channel.pair()
                 self._channels.append(channel)
-                channel.send(("status", self._status.size), (self._status.fd,))
+                crash_log = CrashLog()
+                self._crash_logs.append(crash_log)
+                channel.send(("status", self._status.size), (self._status.fd, crash_log.write_fd))
+                crash_log.close_write_end()
                 spec = WorkerSpec(
                     worker_id=worker_id, num_workers=self._num_workers, base_seed=self._base_seed,
                     dataset_kind=self._dataset_kind, auto_collation=self._auto_collation,
@@ -308,29 +346,29 @@ class _ShmLoaderIter(_BaseDataLoaderIter):
         self._tasks_outstanding += 1
         self._send_idx += 1
 
-    def _grant_in_order(self, may_grow: bool = False, at_most: int | None = None) -> None:
+    def _grant_in_order(self) -> None:
         """Grant free slots for the tasks whose results are owed, in the order the tasks were
         sent, up to GRANTS_PER_WORKER ahead per worker (NOTE [ Slot grants ]).
 
         A worker writes its tasks in order, so its k-th grant serves its k-th owed task; granting
         in send order keeps the granted tasks a prefix of the owed ones.  When slots are scarce
-        (the user holds many batches) the earliest batch is the one that gets the slot, never a
-        later one that would only wait in the reorder buffer: no priority inversion, no deadlock.
-        Granted plus received-but-not-yielded slots stay within num_workers × prefetch_factor,
-        as torch's in-flight batches do."""
+        (a cap the user set) the earliest batch is the one that gets the slot, never a later one
+        that would only wait in the reorder buffer: no priority inversion, no deadlock.  Granted
+        plus received-but-not-yielded slots stay within num_workers × prefetch_factor, as torch's
+        in-flight batches do; held batches are detached from the ring (NOTE [ Held batches ])."""
         owed = [0] * self._num_workers
         for worker_id in self._unreceived.values():
             owed[worker_id] += 1
             if owed[worker_id] > self._grant_quota or len(self._grants[worker_id]) >= owed[worker_id]:
                 continue
-            if at_most == 0 or not self._slot_available(may_grow):
-                return
-            ahead = owed[worker_id] > 1  # a grant to go on with: never worth creating a slot for
-            if ahead and not self._ring.has_free_created_slot():
-                continue
+            ahead = owed[worker_id] > 1  # a grant to go on with: never worth a new segment
+            if ahead:
+                if not self._ring.has_free_created_slot():
+                    continue
+            elif not self._slot_available():
+                break
             self._grant(worker_id, created_only=ahead)
-            if at_most is not None:
-                at_most -= 1
+        self._forget_retired()
 
     def _grant(self, worker_id: int, created_only: bool = False) -> None:
         ring = self._ring
@@ -343,16 +381,26 @@ class _ShmLoaderIter(_BaseDataLoaderIter):
         self._channels[worker_id].send(("grant", slot, generation, capacity, hint), fds)
         self._grants[worker_id].add(slot)
 
-    def _slot_available(self, may_grow: bool) -> bool:
-        """Whether a slot can be granted now: a free one (created or not yet), one whose copy
-        fence completes (waiting for it beats growing the ring), or, when `may_grow`, a new one
-        within max_ring_slots."""
+    def _forget_retired(self) -> None:
+        """Tell the workers that still map a detached or pre-growth segment to unmap it, so that
+        its memory goes when the main process's last view does (and stats() tells the truth)."""
+        for slot, generation in self._ring.take_retired():
+            for worker_id, known in enumerate(self._known_generation):
+                if known.get(slot) == generation:
+                    del known[slot]
+                    self._channels[worker_id].send(("forget", slot, generation))
+
+    def _slot_available(self) -> bool:
+        """Whether a slot can be granted now: a free one, one whose copy fence completes (waiting
+        for it beats a new segment), or a held one to detach within the user's cap."""
         ring = self._ring
         ring.collect_released()
-        if not ring.has_free_slot() and self._pinner is not None and self._pinner.pending():
+        if ring.has_free_slot():
+            return True
+        if self._pinner is not None and self._pinner.pending():
             self._pinner.pump(wait=True)  # NOTE [ Release fence ] in cuda.py
             ring.collect_released()
-        return ring.can_take() if may_grow else ring.has_free_slot()
+        return ring.can_take()
 
     def _replenish(self) -> None:
         """Take back released slots and grant them to workers that have work."""
@@ -363,25 +411,35 @@ class _ShmLoaderIter(_BaseDataLoaderIter):
 
     def _check_not_starved(self) -> None:
         """Raise RingFullError if no worker with work can ever get a slot: every one that owes a
-        result has no grant, and the ring can neither free nor add a slot."""
+        result has no grant, and the ring can neither free nor detach one (a user's cap)."""
         owing = set(self._unreceived.values())
         if not owing or any(self._grants[w] for w in owing):
             return
         if self._pinner is not None:
             self._pinner.pump(wait=True)  # slots waiting for their copies' fence come back
-        self._ring.make_room(self._ring.held())  # collects garbage once, raises if still full
-        self._grant_in_order(may_grow=True, at_most=1)  # the earliest owed task gets a new slot
+        self._ring.make_room()  # collects garbage once, raises if still full
+        self._grant_in_order()
 
     # -- the next batch ------------------------------------------------------------------------------
 
     def _next_data(self):
-        if self._shutdown:  # after a dead worker, a timeout or Ctrl-C (NOTE [ Shutdown ])
+        if self._shutdown:  # NOTE [ Shutdown ]: ended (StopIteration) or broken (raise again)
+            if self._broken is not None:
+                raise LoaderBrokenError(
+                    f"this DataLoader iterator was shut down by an earlier error ({self._broken}); "
+                    "start a new epoch with iter(loader)"
+                )
             raise StopIteration
         try:
-            return self._next_data_inner()
-        except KeyboardInterrupt:
-            self._shutdown_workers()
+            data = self._next_data_inner()
+        except StopIteration:
             raise
+        except BaseException as exc:  # a dead worker, a timeout, Ctrl-C, a protocol error
+            self._break(exc)
+            raise
+        if isinstance(data, _Failure):
+            data.reraise()  # the worker's own exception: the epoch goes on, as in torch
+        return data
 
     def _next_data_inner(self):
         self._read_ahead()
@@ -426,9 +484,8 @@ class _ShmLoaderIter(_BaseDataLoaderIter):
     def _process_data(self, data, worker_id: int):
         self._workers_num_tasks[worker_id] -= 1
         self._try_put_index()
-        if isinstance(data, _Failure):
-            data.reraise()
-        self._batches += 1
+        if not isinstance(data, _Failure):
+            self._batches += 1
         return data
 
     # -- waiting on workers ----------------------------------------------------------------------
@@ -460,11 +517,12 @@ class _ShmLoaderIter(_BaseDataLoaderIter):
                 return None
             if deadline is not None and time.monotonic() >= deadline:
                 waiting_on = self._task_info.get(self._rcvd_idx, (None,))[0]
-                self._shutdown_workers()
-                raise LoaderTimeoutError(
+                error = LoaderTimeoutError(
                     f"DataLoader timed out after {self._timeout} seconds waiting for batch "
                     f"{self._rcvd_idx} (worker {waiting_on}); the loader has been shut down"
                 )
+                self._break(error)
+                raise error
 
     def _read_ahead(self) -> None:
         """Handle every message already waiting (no blocking), so that slots come back and are
@@ -493,6 +551,13 @@ class _ShmLoaderIter(_BaseDataLoaderIter):
         if kind == "resumed":
             self._resumed += 1
             return None
+        if kind == "fatal":  # an error outside any task: the worker is exiting
+            stage, payload = message[1], message[2]
+            try:
+                _Failure(worker_id, self._workers[worker_id].pid, None, stage, payload).reraise()
+            except BaseException as exc:
+                self._break(exc)
+                raise
         epoch, idx = message[1], message[2]
         self._unreceived.pop((epoch, idx), None)
         if kind == "ready":
@@ -501,6 +566,7 @@ class _ShmLoaderIter(_BaseDataLoaderIter):
             if fds:
                 self._ring.adopt(slot, fds[0], capacity, generation)
                 self._known_generation[worker_id][slot] = generation
+                self._forget_retired()  # other workers' mappings of the pre-growth segment
                 if self._pinner is not None:
                     self._pinner.pin(self._ring.segment(slot))  # once per slot segment
             if epoch != self._epoch:
@@ -519,12 +585,28 @@ class _ShmLoaderIter(_BaseDataLoaderIter):
         raise SlotProtocolError(f"unknown message {kind!r} from worker {worker_id}")
 
     def _worker_died(self, worker_id: int):
+        channel = self._channels[worker_id]
+        while mp_connection.wait([channel.fileno()], timeout=0):  # its last words, if any
+            try:
+                message, fds = channel.recv()
+            except (ChannelClosed, ConnectionError):
+                break
+            self._handle(worker_id, message, fds)  # raises for a "fatal" message
         process = self._workers[worker_id]
         process.join(timeout=1.0)
         doing = describe_stage(self._status, worker_id)
-        error = WorkerDiedError(worker_id, process.pid, process.exitcode, doing)
-        self._shutdown_workers()
+        error = WorkerDiedError(worker_id, process.pid, process.exitcode, doing,
+                                self._crash_logs[worker_id].read())
+        self._break(error)
         raise error
+
+    def _break(self, error: BaseException) -> None:
+        """Shut down after `error`; every later next() raises LoaderBrokenError (NOTE [ Shutdown ]).
+        Only its text is kept: its traceback's frames may hold the user's batches."""
+        if self._broken is None:
+            lines = str(error).splitlines()
+            self._broken = f"{type(error).__name__}: {lines[0] if lines else ''}".rstrip(": ")
+        self._shutdown_workers()
 
     # -- statistics and shutdown -----------------------------------------------------------------
 
@@ -532,7 +614,9 @@ class _ShmLoaderIter(_BaseDataLoaderIter):
         ring_stats = self._final_ring_stats or self._ring.stats()
         return LoaderStats(
             ring_slots=ring_stats.slots, slot_bytes=ring_stats.slot_bytes,
-            ring_bytes=ring_stats.ring_bytes, ring_grows=ring_stats.ring_grows,
+            ring_bytes=ring_stats.ring_bytes, held_segments=ring_stats.held_segments,
+            held_bytes=ring_stats.held_bytes, reserved_bytes=ring_stats.reserved_bytes,
+            in_use_bytes=ring_stats.in_use_bytes, detached=ring_stats.detached,
             slot_grows=ring_stats.slot_grows, batches=self._batches,
             control_bytes=sum(c.bytes_sent + c.bytes_received for c in self._channels),
             control_messages=sum(c.messages_sent + c.messages_received for c in self._channels),
@@ -563,6 +647,8 @@ class _ShmLoaderIter(_BaseDataLoaderIter):
         finally:
             for channel in self._channels:
                 channel.close()
+            for crash_log in self._crash_logs:
+                crash_log.close()
             for process in self._workers:
                 try:
                     process.close()

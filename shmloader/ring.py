@@ -16,16 +16,28 @@ NOTE [ Slot lifecycle ]
   worker only when free, so a batch the user still holds is never overwritten.  A worker that
   needs more room than its slot has creates a larger segment itself (generation + 1), writes the
   batch there and passes the fd back with its result; the main process adopts it in place of the
-  old one.  A worker that dies while writing leaves its slot WRITING; the main process resets it.
+  old one, and the workers that still map the old one are told to forget it.  A worker that dies
+  leaves its slot as it was (WRITING, say): the loader is shut down then (NOTE [ Shutdown ] in
+  loader.py) and the ring closed, so no slot is ever reused after a death and nothing resets it.
+
+NOTE [ Held batches ]
+  The training loop may keep as many batches as it likes (`list(loader)`, a reference cycle that
+  only the garbage collector frees), as with torch.  When a worker needs a slot and none is free,
+  the ring *detaches* the longest-held leased slot instead of waiting: the batch keeps its
+  segment through its lease (mapped, fd closed, so a held batch costs no file descriptor), the
+  slot's index starts a new generation with no segment, and the next worker to write into it
+  creates a fresh one.  The held segment is unmapped when the batch's last view goes (workers
+  are told to forget it, see loader.py), so the ring is back at its working size by itself:
+  nothing waits, no garbage collection is forced, and the memory is what the user holds plus the
+  batches in flight, as with torch.  Only a cap the user asks for (`max_slots`, `max_bytes`)
+  stops it; then RingFullError says which.
 
 NOTE [ Ring size ]
   depth = num_workers × prefetch_factor (batches in flight, as torch counts them) + CONSUMER_SLOTS
   (batches the training loop holds: the one in use and the one being fetched).  Slots are created
   on first use, and a slot is bound to a batch only once the batch exists (NOTE [ Slot grants ] in
-  loader.py), so a loop that keeps up creates far fewer than `depth`.  When the user holds more,
-  the ring adds slots up to `max_slots` (default 2 × depth) and then raises RingFullError rather
-  than wait for a release that may never come.  Slot size is learnt from the first batch
-  (page-rounded) unless `slot_bytes` is given; a larger batch grows only its slot.
+  loader.py), so a loop that keeps up creates far fewer than `depth`.  Slot size is learnt from
+  the first batch (page-rounded) unless `slot_bytes` is given; a larger batch grows only its slot.
 """
 
 from __future__ import annotations
@@ -35,6 +47,7 @@ import gc
 import os
 import secrets
 import warnings
+import weakref
 from collections import deque
 from dataclasses import dataclass
 
@@ -102,29 +115,47 @@ def create_segment(capacity: int, generation: int, what: str = "a ring slot") ->
 
 @dataclass(frozen=True)
 class RingStats:
-    slots: int
-    allocated_slots: int
+    slots: int  # the ring's working depth (NOTE [ Ring size ])
+    allocated_slots: int  # of which have a segment
     slot_bytes: int
-    ring_bytes: int
-    ring_grows: int
+    ring_bytes: int  # bytes of the ring's own segments
+    held_segments: int  # detached segments still alive: batches held past the ring
+    held_bytes: int
+    in_use_bytes: int  # bytes of segments that hold a batch now (granted, leased or detached)
+    detached: int  # slots handed over to held batches so far (NOTE [ Held batches ])
     slot_grows: int
+
+    @property
+    def reserved_bytes(self) -> int:
+        """Shared memory reserved now: the ring's segments and the held ones."""
+        return self.ring_bytes + self.held_bytes
 
 
 class Ring:
-    """Slots owned by the main process (see NOTE [ Slot lifecycle ])."""
+    """Slots owned by the main process (see NOTE [ Slot lifecycle ] and NOTE [ Held batches ]).
 
-    def __init__(self, depth: int, slot_bytes: int | None = None, max_slots: int | None = None):
+    `max_slots` / `max_bytes`: a cap on the segments alive at once (the ring's and the held
+    ones), only where the user asks for one; None lets held batches take what they need."""
+
+    def __init__(self, depth: int, slot_bytes: int | None = None, max_slots: int | None = None,
+                 max_bytes: int | None = None):
         if depth < 1:
             raise ValueError(f"ring depth must be >= 1, got {depth}")
-        self.max_slots = max(max_slots if max_slots is not None else 2 * depth, depth)
+        if max_slots is not None:
+            depth = min(depth, max_slots)
+        self.max_slots = max_slots
+        self.max_bytes = max_bytes
         self.slot_bytes = page_round(slot_bytes) if slot_bytes else None
         self._segments: list[_ring.Segment | None] = [None] * depth
         self._generations = [0] * depth
         self._states = [_FREE] * depth
         self._free: deque[int] = deque(range(depth))
+        self._leased: dict[int, None] = {}  # leased slots, longest-held first
         # Appended by SlotLease deallocation, from whichever thread dropped the last view.
         self._released: deque[tuple[int, int]] = deque()
-        self._ring_grows = 0
+        self._held_segments: weakref.WeakSet[_ring.Segment] = weakref.WeakSet()
+        self._retired: list[tuple[int, int]] = []  # (slot, generation) no process should map now
+        self._detached = 0
         self._slot_grows = 0
         self._closed = False
         register_parent_only(self)
@@ -152,70 +183,101 @@ class Ring:
                 f"the ring ({self.depth} slots of {self.slot_bytes} bytes)",
             )
 
-    def _add_slot(self) -> int:
-        slot = len(self._segments)
-        self._segments.append(None)
-        self._generations.append(0)
-        self._states.append(_FREE)
-        self._ring_grows += 1
-        if self.slot_bytes is not None and self.slot_bytes > shm_free_bytes():
-            raise ShmCapacityError(self.slot_bytes, shm_free_bytes(), SHM_DIR,
-                                   f"growing the ring to {self.depth} slots")
-        return slot
-
     @property
     def depth(self) -> int:
         return len(self._segments)
+
+    def _live(self) -> tuple[int, int]:
+        """(segments, bytes) alive now: the ring's created slots and the held ones."""
+        ring = self.segments()
+        held = list(self._held_segments)
+        return len(ring) + len(held), sum(s.size for s in ring) + sum(s.size for s in held)
+
+    def _may_add_segment(self) -> bool:
+        """Whether one more segment stays within the user's cap (always, without one)."""
+        if self._closed:
+            return False
+        if self.max_slots is None and self.max_bytes is None:
+            return True
+        count, nbytes = self._live()
+        if self.max_slots is not None and count >= self.max_slots:
+            return False
+        return self.max_bytes is None or nbytes + (self.slot_bytes or 0) <= self.max_bytes
 
     # -- the main process's side of the lifecycle ------------------------------------------
 
     def can_take(self) -> bool:
         """Whether take_free_slot would succeed now."""
         self.collect_released()
-        return bool(self._free) or self.may_grow()
+        if self.has_free_created_slot():
+            return True
+        return bool(self._free or self._leased) and self._may_add_segment()
 
     def has_free_created_slot(self) -> bool:
         self.collect_released()
         return any(self._segments[slot] is not None for slot in self._free)
 
     def take_free_slot(self, prefer: dict[int, int] | None = None, created_only: bool = False) -> int:
-        """A free slot to grant (growing the ring if needed and allowed).
+        """A free slot to grant: detaching the longest-held leased one if none is free
+        (NOTE [ Held batches ]).
 
         Prefers a slot the receiving worker has mapped already (`prefer`: slot -> generation it
         knows), then one not created yet, so each worker maps few slots (each mapping costs page
         table set-up for the whole slot); `created_only` never picks a slot still to be created."""
         self.collect_released()
-        if not self._free:
-            if not self.may_grow():
-                raise RingFullError(f"no free slot among {self.depth} (max_ring_slots={self.max_slots})")
-            self._free.append(self._add_slot())
         prefer = prefer or {}
         created = [s for s in self._free if self._segments[s] is not None]
         known = [s for s in created if prefer.get(s) == self._generations[s]]
-        uncreated = [s for s in self._free if self._segments[s] is None]
-        if created_only:
-            order = known + created
-        else:
-            order = known + uncreated + created
+        order = known + created
+        if not created_only and self._may_add_segment():
+            if not self._free and self._leased:
+                self._detach(next(iter(self._leased)))
+            order = known + [s for s in self._free if self._segments[s] is None] + created
         if not order:
-            raise RingFullError(f"no created free slot among {self.depth}")
+            raise RingFullError(self._full_message())
         chosen = order[0]
         self._free.remove(chosen)
         self._states[chosen] = _DISPATCHED
         return chosen
 
-    def make_room(self, held: int) -> None:
-        """The loop would wait forever for a slot: collect garbage once (reference cycles may
-        hold dead batches), then raise RingFullError naming the counts."""
+    def _detach(self, slot: int) -> None:
+        """Leave a leased slot's segment to its batch alone; the slot starts a new generation."""
+        segment = self._segments[slot]
+        assert segment is not None and self._states[slot] == _LEASED
+        segment.close_fd()  # the lease keeps the mapping: a held batch costs no fd
+        self._held_segments.add(segment)
+        self._retired.append((slot, self._generations[slot]))
+        del self._leased[slot]
+        self._segments[slot] = None
+        self._generations[slot] += 1  # its lease's release is then ignored (collect_released)
+        self._states[slot] = _FREE
+        self._free.append(slot)
+        self._detached += 1
+
+    def take_retired(self) -> list[tuple[int, int]]:
+        """(slot, generation) pairs that workers still mapping them must forget, once each."""
+        retired, self._retired = self._retired, []
+        return retired
+
+    def _full_message(self) -> str:
+        count, nbytes = self._live()
+        caps = ", ".join(f"{name}={value}" for name, value in
+                         (("max_ring_slots", self.max_slots), ("max_ring_bytes", self.max_bytes))
+                         if value is not None)
+        return (f"the training loop holds {self.held() + len(self._held_segments)} batches, and the "
+                f"{count} shared-memory segments alive ({nbytes} bytes) reach the cap you set "
+                f"({caps}); release batches you no longer need (del them, or copy what you keep "
+                "with .clone()), raise the cap, or leave it unset to let held batches take what "
+                "they need")
+
+    def make_room(self) -> None:
+        """The loop would wait forever for a slot (only possible under a user's cap): collect
+        garbage once (reference cycles may hold dead batches), then raise RingFullError."""
         if self.can_take():
             return
         gc.collect()
         if not self.can_take():
-            raise RingFullError(
-                f"the training loop holds {held} batches, which fill all {self.depth} slots of the "
-                f"ring (max_ring_slots={self.max_slots}); release batches you no longer need "
-                "(del them, or copy what you keep with .clone()) or pass a larger max_ring_slots"
-            )
+            raise RingFullError(self._full_message())
 
     def unassign(self, slot: int) -> None:
         """A dispatched slot came back unused (end of an iterable stream, an error, a reset)."""
@@ -252,10 +314,11 @@ class Ring:
         segment = _ring.Segment(fd, capacity, populate=False)
         old = self._segments[slot]
         self._segments[slot] = segment
-        self._generations[slot] = generation
         if old is not None:
             self._slot_grows += 1
+            self._retired.append((slot, self._generations[slot]))
             old.close_fd()
+        self._generations[slot] = generation
         if self.slot_bytes is None:
             self.slot_bytes = capacity
             self._check_fits()
@@ -290,6 +353,7 @@ class Ring:
         if found != _ring.READY:
             raise SlotProtocolError(f"slot {slot} is in state {found}, not READY")
         self._states[slot] = _LEASED
+        self._leased[slot] = None
         descriptor = segment.read(_ring.HEADER_BYTES, desc_bytes)
         return _ring.SlotLease(segment, slot, generation, sequence, on_release), descriptor, payload_end
 
@@ -302,11 +366,12 @@ class Ring:
         while self._released:
             slot, generation = self._released.popleft()
             if self._closed or generation != self._generations[slot] or self._states[slot] != _LEASED:
-                continue
+                continue  # a detached slot's old batch, or the ring is gone
             segment = self._segments[slot]
             if segment is not None:
                 segment.release()
             self._states[slot] = _FREE
+            self._leased.pop(slot, None)
             self._free.append(slot)
             n += 1
         return n
@@ -314,11 +379,8 @@ class Ring:
     def has_free_slot(self) -> bool:
         return bool(self._free)
 
-    def may_grow(self) -> bool:
-        return not self._closed and self.depth < self.max_slots
-
     def held(self) -> int:
-        return sum(1 for s in self._states if s == _LEASED)
+        return len(self._leased)
 
     def segment(self, slot: int) -> _ring.Segment:
         segment = self._segments[slot]
@@ -330,13 +392,20 @@ class Ring:
         return [s for s in self._segments if s is not None]
 
     def stats(self) -> RingStats:
+        self.collect_released()
         allocated = self.segments()
+        held = list(self._held_segments)
+        held_bytes = sum(s.size for s in held)
+        busy = sum(s.size for slot, s in enumerate(self._segments) if s is not None and self._states[slot] != _FREE)
         return RingStats(
             slots=self.depth,
             allocated_slots=len(allocated),
             slot_bytes=self.slot_bytes or 0,
             ring_bytes=sum(s.size for s in allocated),
-            ring_grows=self._ring_grows,
+            held_segments=len(held),
+            held_bytes=held_bytes,
+            in_use_bytes=busy + held_bytes,
+            detached=self._detached,
             slot_grows=self._slot_grows,
         )
 
@@ -353,7 +422,9 @@ class Ring:
                 segment.close_fd()
         self._segments = [None] * len(self._segments)
         self._free.clear()
+        self._leased.clear()
         self._released.clear()
+        self._retired.clear()
 
     @property
     def closed(self) -> bool:

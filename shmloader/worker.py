@@ -195,10 +195,17 @@ def worker_main(spec: WorkerSpec, sock) -> None:
     threading.Thread(target=_watch_main_process, args=(spec.main_pid,), daemon=True,
                      name="shmloader-parent-watch").start()
     channel = Channel(sock)
+    worker = _Worker(spec, channel)
     try:
-        _Worker(spec, channel).run()
+        worker.run()
     except (ChannelClosed, BrokenPipeError, ConnectionResetError):
         pass  # the main process went away or closed us: nothing left to report to
+    except BaseException as exc:  # outside any task (tasks report their own): say it, then exit
+        try:
+            channel.send(("fatal", worker.stage, exception_payload(exc)))
+        except OSError:
+            pass
+        raise
     finally:
         channel.close()
 
@@ -212,6 +219,8 @@ class _Worker:
         self.ended = False
         self.fetcher = None
         self.status = None  # the status segment, whose fd is the first message from main
+        self.stage = STAGES[BOOTING]  # the stage last entered, for an error outside a task
+        self.crash_file = None  # where faulthandler writes (crashlog.py)
         self.grants: collections.deque[tuple[int, int, int, int]] = collections.deque()  # (slot, gen, cap, hint)
         self.pending: collections.deque[tuple[tuple, list[int]]] = collections.deque()
 
@@ -219,19 +228,26 @@ class _Worker:
         """Record the stage in this worker's status word, return its name."""
         if self.status is not None:
             self.status.write(status_offset(self.spec.worker_id), STATUS_WORD.pack(stage, idx))
-        return STAGES[stage]
+        self.stage = STAGES[stage]
+        return self.stage
 
     # -- start-up, as torch's worker loop does it ------------------------------------------------
 
     def _start(self) -> None:
         spec = self.spec
         message, fds = self.channel.recv()
-        if message[0] != "status" or len(fds) != 1:
-            raise SlotProtocolError(f"worker {spec.worker_id} expected its status segment, got {message[0]!r}")
+        if message[0] != "status" or len(fds) != 2:
+            for fd in fds:
+                os.close(fd)
+            raise SlotProtocolError(
+                f"worker {spec.worker_id} expected its status segment and crash log, got "
+                f"{message[0]!r} with {len(fds)} fds")
         from ._ring import Segment
 
         self.status = Segment(fds[0], message[1])
         self.status.close_fd()
+        self.crash_file = os.fdopen(fds[1], "w")
+        faulthandler.enable(file=self.crash_file)  # into the main process's WorkerDiedError
         torch.set_num_threads(1)
         seed = spec.base_seed + spec.worker_id
         random.seed(seed)
@@ -272,6 +288,8 @@ class _Worker:
             kind = message[0]
             if kind == "grant":
                 self._take_grant(message, fds)
+            elif kind == "forget":
+                self._forget(message)
             elif kind == "task":
                 try:
                     self._task(message)
@@ -320,6 +338,13 @@ class _Worker:
             )
         return segment
 
+    def _forget(self, message: tuple) -> None:
+        """Unmap a segment the main process detached or replaced (NOTE [ Held batches ])."""
+        _, slot, generation = message
+        known = self.segments.get(slot)
+        if known is not None and known[0] == generation:
+            del self.segments[slot]
+
     def _take_grant(self, message: tuple, fds: list[int]) -> None:
         _, slot, generation, capacity, hint = message
         self._attach(slot, generation, capacity, fds)
@@ -328,11 +353,12 @@ class _Worker:
     def _next_grant(self, idx: int) -> tuple[int, int, int, int]:
         """A granted slot; reads (and keeps, in order) other messages while waiting for one."""
         if not self.grants:
-            self._enter(AWAITING_SLOT, idx)
             while not self.grants:
                 message, fds = self.channel.recv()
                 if message[0] == "grant":
                     self._take_grant(message, fds)
+                elif message[0] == "forget":
+                    self._forget(message)
                 elif message[0] == "stop":
                     raise _Stopped
                 else:
@@ -374,6 +400,7 @@ class _Worker:
             del samples
             stage = self._enter(LAYING_OUT, idx)
             plan = layout.plan_batch(batch)
+            stage = self._enter(AWAITING_SLOT, idx)
             grant = self._next_grant(idx)
             slot, generation, capacity, hint = grant
             segment = self.segments[slot][1] if capacity else None

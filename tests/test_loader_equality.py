@@ -120,7 +120,7 @@ def test_custom_collate_sparse_output():
     for g, w in zip(got, want):
         assert g["sparse"].layout == torch.sparse_coo and g["n"] == w["n"]
         assert torch.equal(g["sparse"].to_dense(), w["sparse"].to_dense())
-    assert shm.stats().ring_grows == 0
+    assert shm.stats().detached == 0
 
 
 # -- samplers ---------------------------------------------------------------------------------------

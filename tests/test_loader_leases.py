@@ -1,7 +1,8 @@
 """Leases, ring growth, slot sizes, zero copy and control bytes of ShmDataLoader.
 
 A slot is reused only when nothing of its batch is referenced in the main process; held batches
-stay intact; the ring grows up to `max_ring_slots` and then raises RingFullError; delivered
+stay intact (the ring detaches their slots, see tests/test_held_batches.py); a cap the user sets
+raises RingFullError; delivered
 leaves are views into ring slots; control messages do not grow with the batch's bytes.
 """
 
@@ -54,7 +55,7 @@ def _leased(iterator, slot: int) -> bool:
 # -- held batches ---------------------------------------------------------------------------------
 
 
-def test_held_batches_stay_intact_and_the_ring_grows():
+def test_held_batches_stay_intact_and_their_slots_are_detached():
     """A loop that appends every batch to a list (more than the ring's depth) finds them all
     intact, through a second epoch on the same persistent ring."""
     dataset = ds.ArrayDataset(n=20, nbytes=4096)
@@ -64,7 +65,7 @@ def test_held_batches_stay_intact_and_the_ring_grows():
                      prefetch_factor=PREFETCH, persistent_workers=True)
     held = list(shm)  # 10 batches > DEPTH - in flight
     stats = shm.stats()
-    assert stats.ring_grows > 0 and DEPTH < stats.ring_slots <= 2 * DEPTH, stats
+    assert stats.detached > 0 and stats.ring_slots == DEPTH and stats.held_segments > 0, stats
     want_first = collect(ref)
     assert_same_batches(held, want_first)
     second = collect(shm)  # the next epoch must not write into any held slot
@@ -80,7 +81,7 @@ def test_dropped_batches_free_their_slots_and_the_ring_stays_small():
         assert int(batch[0, 0]) == 2 * i
     stats = shm.stats()
     assert stats.batches == 60
-    assert stats.ring_grows == 0 and stats.ring_slots == DEPTH, stats
+    assert stats.detached == 0 and stats.held_segments == 0 and stats.ring_slots == DEPTH, stats
 
 
 def test_holding_past_the_cap_raises_ring_full_error():
@@ -97,8 +98,8 @@ def test_holding_past_the_cap_raises_ring_full_error():
 
 
 def test_batches_freed_by_the_cycle_collector_free_their_slots():
-    """A batch caught in a reference cycle is freed only by the gc; its slot must come back then
-    (the ring collects garbage before it would raise RingFullError)."""
+    """Under a cap, a batch caught in a reference cycle is freed only by the gc; its slot must
+    come back then (the ring collects garbage once before it would raise RingFullError)."""
     shm = ShmDataLoader(ds.DictDataset(n=60), batch_size=2, num_workers=WORKERS, prefetch_factor=PREFETCH,
                         max_ring_slots=DEPTH, collate_fn=ds.numpy_collate)  # numpy views: gc-tracked
     for i, batch in enumerate(shm):
@@ -109,7 +110,7 @@ def test_batches_freed_by_the_cycle_collector_free_their_slots():
     assert shm.stats().batches == 30
 
 
-def test_raising_the_cap_lets_a_loop_hold_everything():
+def test_a_cap_large_enough_lets_a_loop_hold_everything():
     shm = ShmDataLoader(ds.ArrayDataset(n=40, nbytes=1024), batch_size=2, num_workers=WORKERS,
                         max_ring_slots=24)
     held = list(shm)

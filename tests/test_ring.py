@@ -1,5 +1,6 @@
-"""shmloader/ring.py: segments are private and nameless, a lease's death returns its slot, the
-ring grows up to its cap and then refuses clearly, and foreign or stale slots are refused."""
+"""shmloader/ring.py: segments are private and nameless, a lease's death returns its slot, a full
+ring detaches its longest-held slot (no cap unless asked for; a cap refuses clearly), and foreign
+or stale slots are refused."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import gc
 import os
 import stat
 import warnings
+import weakref
 
 import pytest
 
@@ -87,53 +89,110 @@ def test_lease_release_returns_the_slot():
     assert ring.has_free_slot()
     # the slot is reused as it is: same segment, no growth
     again = ring.take_free_slot(prefer={slot: ring.task_geometry(slot)[0]})
-    assert again == slot and ring.stats().ring_grows == 0
+    assert again == slot and ring.stats().detached == 0
     ring.unassign(again)
     ring.close()
 
 
-def test_ring_grows_up_to_its_cap_then_raises():
-    ring = Ring(2, max_slots=4)
-    slots = [ring.take_free_slot() for _ in range(4)]
-    assert sorted(slots) == [0, 1, 2, 3]
-    assert ring.depth == 4 and ring.stats().ring_grows == 2
-    assert not ring.can_take()
-    with pytest.raises(RingFullError, match="max_ring_slots=4"):
-        ring.take_free_slot()
-    ring.unassign(slots[0])
-    assert ring.take_free_slot() == slots[0]
-    ring.close()
-
-
-def test_default_cap_is_twice_the_depth():
-    ring = Ring(3)
-    assert ring.max_slots == 6
-    ring.close()
-
-
-def test_make_room_names_the_counts_when_every_slot_is_held():
-    ring = Ring(1, max_slots=2)
+def _lease_all(ring: Ring, n: int) -> list:
     leases = []
-    for sequence in range(2):
+    for sequence in range(n):
         slot = ring.take_free_slot()
-        _worker_writes(ring, slot, sequence)
+        _worker_writes(ring, slot, sequence, payload=b"batch %d" % sequence)
         leases.append(ring.lease(slot, sequence, ring.release_callback())[0])
-    with pytest.raises(RingFullError, match=r"holds 2 batches.*all 2 slots.*max_ring_slots=2"):
-        ring.make_room(ring.held())
+    return leases
+
+
+def _payload(lease, n: int = 7) -> bytes:
+    return bytes(memoryview(lease)[_ring.HEADER_BYTES:_ring.HEADER_BYTES + n])
+
+
+def test_a_full_ring_detaches_its_longest_held_slot():
+    """NOTE [ Held batches ]: no wait, no cap, no gc; the held batch keeps its memory, the ring
+    keeps its depth, and the held segment goes with the batch's last view."""
+    ring = Ring(2)
+    assert ring.max_slots is None and ring.max_bytes is None
+    first, second = _lease_all(ring, 2)
+    fds_before = len(_open_fds())
+    assert ring.can_take()
+    slot = ring.take_free_slot()
+    assert slot == first.slot and ring.depth == 2
+    generation, capacity, _hint = ring.task_geometry(slot)
+    assert capacity == 0 and generation == first.generation + 1  # a fresh segment next time
+    assert ring.take_retired() == [(slot, first.generation)] and ring.take_retired() == []
+    assert first.segment.fd == -1 and len(_open_fds()) == fds_before - 1  # held: mapped, no fd
+    assert _payload(first) == b"batch 0"
+    stats = ring.stats()
+    assert (stats.held_segments, stats.detached, stats.slots) == (1, 1, 2)
+    assert stats.reserved_bytes == stats.ring_bytes + first.segment.size
+    _worker_writes(ring, slot, 2, payload=b"batch 2")
+    third = ring.lease(slot, 2, ring.release_callback())[0]
+    held_segment = weakref.ref(first.segment)
+    del first  # the old generation's release must not free the slot's new batch
+    assert ring.collect_released() == 0 and ring.held() == 2
+    assert held_segment() is None and ring.stats().held_segments == 0  # unmapped with its batch
+    assert _payload(third) == b"batch 2" and _payload(second) == b"batch 1"
+    del second, third
+    ring.close()
+
+
+def _open_fds() -> set[int]:
+    return {int(fd) for fd in os.listdir("/proc/self/fd")}
+
+
+def test_a_cap_in_slots_refuses_and_names_itself():
+    ring = Ring(4, max_slots=2)
+    assert ring.depth == 2  # the cap holds from the start
+    leases = _lease_all(ring, 2)
+    assert not ring.can_take()
+    with pytest.raises(RingFullError, match=r"holds 2 batches.*2 shared-memory segments.*max_ring_slots=2"):
+        ring.take_free_slot()
     leases.pop()
-    ring.make_room(ring.held())  # room again: no error
+    assert ring.take_free_slot() == 1
     del leases
     ring.close()
 
 
-def test_make_room_collects_cycles_holding_dead_batches():
+def test_a_cap_in_bytes_counts_held_segments():
+    ring = Ring(2, slot_bytes=2 * PAGE, max_bytes=3 * 2 * PAGE)
+    leases = _lease_all(ring, 2)
+    slot = ring.take_free_slot()
+    assert slot == leases[0].slot  # a third segment fits the cap: the held one is detached
+    _worker_writes(ring, slot, 2)
+    leases.append(ring.lease(slot, 2, ring.release_callback())[0])
+    assert not ring.can_take()  # a fourth would not
+    with pytest.raises(RingFullError, match=f"max_ring_bytes={6 * PAGE}"):
+        ring.take_free_slot()
+    del leases
+    ring.close()
+
+
+def test_make_room_names_the_counts_when_the_cap_is_reached():
+    ring = Ring(1, max_slots=2)
+    leases = _lease_all(ring, 1)
+    leases.append(ring.lease(*_detach_and_write(ring, 1), ring.release_callback())[0])
+    with pytest.raises(RingFullError, match=r"holds 2 batches.*max_ring_slots=2"):
+        ring.make_room()
+    leases.pop(0)
+    ring.make_room()  # room again: no error
+    del leases
+    ring.close()
+
+
+def _detach_and_write(ring: Ring, sequence: int) -> tuple[int, int]:
+    slot = ring.take_free_slot()
+    _worker_writes(ring, slot, sequence)
+    return slot, sequence
+
+
+def test_make_room_collects_cycles_holding_dead_batches_under_a_cap():
     ring = Ring(1, max_slots=1)
     slot = ring.take_free_slot()
     _worker_writes(ring, slot, 0)
     cycle = [ring.lease(slot, 0, ring.release_callback())[0]]
     cycle.append(cycle)  # only the gc can free this lease
     del cycle
-    ring.make_room(1)
+    ring.make_room()
     assert ring.has_free_slot()
     ring.close()
 

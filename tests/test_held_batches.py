@@ -1,0 +1,202 @@
+"""Holding batches behaves as with torch (NOTE [ Held batches ] in shmloader/ring.py).
+
+`list(loader)`, `sorted(...)` of an epoch, two whole epochs compared, a loop that keeps every
+batch, batches kept alive by reference cycles: all work with no cap by default, give torch's
+batches, cost no file descriptor per held batch and no forced garbage collection, and the shared
+memory goes back to the ring's working size once the batches are dropped, in the main process
+and in the workers.  A cap is there only where the user asks for one.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+import shmloader.ring
+from shmloader import RingFullError, ShmDataLoader
+
+from . import _datasets as ds
+from ._helpers import assert_same_batches, collect, seeded
+from .conftest import mapped_segments, wait_until
+
+pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("no_leaks")]
+
+WORKERS, PREFETCH = 2, 2
+DEPTH = WORKERS * PREFETCH + 2
+
+
+def _pair(dataset, **kwargs):
+    kwargs.setdefault("num_workers", WORKERS)
+    kwargs.setdefault("prefetch_factor", PREFETCH)
+    return ShmDataLoader(dataset, generator=seeded(3), **kwargs), DataLoader(dataset, generator=seeded(3), **kwargs)
+
+
+@pytest.mark.parametrize("collate_fn", [None, ds.numpy_collate])
+def test_list_of_an_epoch_is_torchs(collate_fn):
+    shm, ref = _pair(ds.DictDataset(n=90), batch_size=2, shuffle=True, collate_fn=collate_fn)
+    held = list(shm)  # 45 batches, far past the ring's depth
+    assert len(held) == 45
+    assert_same_batches(held, list(ref))
+    stats = shm.stats()
+    assert stats.ring_slots == DEPTH and stats.detached > 0 and stats.held_segments > 0, stats
+    del held
+
+
+def test_two_whole_epochs_compared_and_sorted():
+    shm, ref = _pair(ds.ArrayDataset(n=60, nbytes=2048), batch_size=3, shuffle=True,
+                     persistent_workers=True)
+    first, second = list(shm), list(shm)  # the second epoch must not write into any held batch
+    want_first, want_second = list(ref), list(ref)
+    assert_same_batches(first, want_first)
+    assert_same_batches(second, want_second)
+    key = lambda b: float(b[0, 0])  # noqa: E731
+    assert_same_batches(sorted(shm, key=key), sorted(ref, key=key))
+    assert_same_batches(first, want_first)  # still intact after two more epochs
+    del first, second
+
+
+def _workers_of(loader) -> list[int]:
+    return [p.pid for p in loader._iterator._workers]
+
+
+def test_held_batches_cost_no_fd_and_memory_goes_back_to_the_working_ring():
+    shm = ShmDataLoader(ds.ArrayDataset(n=120, nbytes=8192), batch_size=2, num_workers=WORKERS,
+                        prefetch_factor=PREFETCH, persistent_workers=True)
+    it = iter(shm)
+    held = [next(it) for _ in range(20)]
+    fds_20 = len(os.listdir("/proc/self/fd"))
+    held += list(it)
+    assert len(held) == 60
+    fds_60 = len(os.listdir("/proc/self/fd"))
+    # 40 more batches held, no fd for any: only the ring's own slots come and go (at most DEPTH)
+    assert fds_60 - fds_20 <= DEPTH, (fds_20, fds_60)
+    del it
+    stats = shm.stats()
+    assert stats.held_segments >= 60 - DEPTH and stats.reserved_bytes == stats.ring_bytes + stats.held_bytes
+    assert len(mapped_segments()) >= 60
+    del held
+    after = shm.stats()
+    assert after.held_segments == 0 and after.reserved_bytes == after.ring_bytes, after
+    assert after.ring_slots == DEPTH and after.ring_bytes <= DEPTH * after.slot_bytes
+    # the main process maps the working ring and the workers' status page only, and so do the
+    # workers once they have read their "forget" messages (they read them when idle)
+    assert len(mapped_segments()) <= DEPTH + 1
+    pids = _workers_of(shm)
+    assert wait_until(lambda: all(len(mapped_segments(pid)) <= DEPTH + 1 for pid in pids), 5.0), \
+        [len(mapped_segments(pid)) for pid in pids]
+    del shm
+
+
+def test_workers_forget_pre_growth_segments():
+    """Batches that grow their slots: no process keeps a pre-growth segment mapped, so what the
+    processes map together is what stats() reports reserved."""
+    shm = ShmDataLoader(ds.VariableLengthDataset(n=48, step=4096), batch_size=4, num_workers=WORKERS,
+                        prefetch_factor=PREFETCH, persistent_workers=True, collate_fn=ds.pad_collate)
+    for _ in range(2):
+        for _batch in shm:
+            pass
+        del _batch
+    stats = shm.stats()
+    assert stats.slot_grows > 0, stats
+    pids = _workers_of(shm)
+
+    def mapped_bytes() -> int:
+        sizes: dict[str, int] = {}
+        for pid in ["self", *pids]:
+            with open(f"/proc/{pid}/maps") as maps:
+                for line in maps:
+                    if "/dev/shm/shmloader-" in line:
+                        start, end = (int(x, 16) for x in line.split()[0].split("-"))
+                        sizes[line.split()[-2]] = end - start
+        return sum(sizes.values())
+
+    status_bytes = os.sysconf("SC_PAGE_SIZE")  # the workers' status words: one page
+    assert wait_until(lambda: mapped_bytes() <= stats.reserved_bytes + status_bytes, 5.0), \
+        (mapped_bytes(), stats)
+    del shm
+
+
+class _CountingCollect:
+    def __init__(self):
+        self.calls = 0
+
+    def __call__(self, *args):
+        self.calls += 1
+        return _REAL_COLLECT(*args)
+
+
+_REAL_COLLECT = gc.collect
+
+
+def test_batches_in_reference_cycles_force_no_garbage_collection(monkeypatch):
+    """A consumer whose helper forms a cycle with each batch: no gc.collect per batch (torch
+    forces none either); the detached slots' memory goes when the collector runs."""
+    counter = _CountingCollect()
+    monkeypatch.setattr(shmloader.ring.gc, "collect", counter)
+    shm = ShmDataLoader(ds.DictDataset(n=80), batch_size=2, num_workers=WORKERS,
+                        prefetch_factor=PREFETCH, collate_fn=ds.numpy_collate)
+    gc.disable()
+    try:
+        for i, batch in enumerate(shm):
+            assert batch["labels"] == [2 * i, 2 * i + 1]
+            holder = [batch["image"], batch]
+            holder.append(holder)  # only the cycle collector frees this batch
+            del holder, batch
+    finally:
+        gc.enable()
+    assert counter.calls == 0
+    stats = shm.stats()
+    assert stats.batches == 40 and stats.detached > 0
+    _REAL_COLLECT()
+    assert len(mapped_segments()) <= DEPTH + 1  # the ring and the status page, no held batch
+    del shm
+
+
+def test_a_cap_in_bytes_raises_ring_full_error_naming_it():
+    shm = ShmDataLoader(ds.ArrayDataset(n=40, nbytes=8192), batch_size=2, num_workers=WORKERS,
+                        prefetch_factor=PREFETCH, max_ring_bytes=10 * 16384 + 4096)
+    held = []
+    with pytest.raises(RingFullError, match="max_ring_bytes=167936"):
+        for batch in shm:
+            held.append(batch)
+    assert 1 <= len(held) < 20
+    for i, batch in enumerate(held):  # what was delivered is still intact
+        assert torch.equal(batch[:, 0], torch.tensor([2.0 * i, 2.0 * i + 1]))
+    del held, batch, shm
+
+
+@pytest.mark.timeout(180)
+def test_keeping_200_batches_under_ulimit_n_100():
+    """torch's case: 200 small-tensor batches of an IterableDataset kept under RLIMIT_NOFILE 100.
+    torch either works or raises its RuntimeError naming `ulimit -n`; ShmDataLoader works."""
+    script = os.path.join(os.path.dirname(__file__), "_held_fds_script.py")
+    root = os.path.dirname(os.path.dirname(__file__))
+
+    def run(which: str) -> dict:
+        done = subprocess.run([sys.executable, script, which], capture_output=True, text=True,
+                              timeout=150, cwd=root)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return json.loads(done.stdout.strip().splitlines()[-1])
+
+    torch_result = run("torch")
+    assert torch_result["ok"] or "ulimit -n" in torch_result["error"], torch_result
+    shm_result = run("shm")
+    assert shm_result == {"ok": True, "batches": 200}, shm_result
+
+
+def test_held_batches_stay_correct_through_collect_helpers():
+    """`collect` (the helpers' list of an epoch) against torch with held batches from two loaders
+    at once: their rings never share or overwrite a held batch."""
+    a, ref_a = _pair(ds.TupleDataset(n=40), batch_size=2)
+    b, ref_b = _pair(ds.ArrayDataset(n=40, nbytes=1024), batch_size=4, shuffle=True)
+    got_a, got_b = collect(a), collect(b)
+    assert_same_batches(got_a, collect(ref_a))
+    assert_same_batches(got_b, collect(ref_b))
+    del got_a, got_b
