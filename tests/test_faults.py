@@ -142,6 +142,8 @@ def test_fault_is_reported(how, where, start_method, tmp_path):
         assert r["type"] is WorkerDiedError, (r["type"], message)
         assert DEATH_WORDS[how] in message, message
         assert "shut down" in message
+        if how == "segfault":  # the worker's faulthandler report, brought into the error
+            assert "Fatal Python error: Segmentation fault" in message and "in inject" in message, message
         assert r["shut_down_at_once"], "the loader must shut down as soon as a worker dies"
     _check_gone(r["pids"])
 

@@ -180,8 +180,9 @@ def test_keeping_200_batches_under_ulimit_n_100():
     root = os.path.dirname(os.path.dirname(__file__))
 
     def run(which: str) -> dict:
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
         done = subprocess.run([sys.executable, script, which], capture_output=True, text=True,
-                              timeout=150, cwd=root)
+                              timeout=150, cwd=root, env=env)
         assert done.returncode == 0, done.stderr[-3000:]
         return json.loads(done.stdout.strip().splitlines()[-1])
 

@@ -1,17 +1,31 @@
 """The basic error cases of ShmDataLoader, each beside torch's DataLoader where torch has an
 answer: worker exceptions (type, worker, stage, traceback), a killed worker, `timeout=`, and
-leaves that cannot travel (paths named).  The big fault tables are tests/test_faults.py."""
+leaves that cannot travel (paths named); then the defects issue 8 found by reading the code,
+out-of-order scheduling and typing against torch.  The big fault tables are tests/test_faults.py."""
 
 from __future__ import annotations
 
+import os
 import signal
 import time
+import typing
 
+import numpy as np
 import pytest
-from torch.utils.data import DataLoader
+import torch
+from torch.utils.data import DataLoader, Dataset, get_worker_info
 
-from shmloader import BatchShapeError, LayoutError, LoaderBrokenError, ShmDataLoader, WorkerDiedError
+from shmloader import (
+    BatchShapeError,
+    LayoutError,
+    LoaderBrokenError,
+    ShmCapacityError,
+    ShmDataLoader,
+    SlotProtocolError,
+    WorkerDiedError,
+)
 from shmloader.errors import RemoteTraceback
+from shmloader.ring import Ring
 
 from . import _datasets as ds
 from ._helpers import assert_same_batches, collect
@@ -165,3 +179,114 @@ def test_unpicklable_leaf_names_the_path():
                                         collate_fn=ds.lambda_leaf_collate))
     assert isinstance(exc, LayoutError)
     assert "batch['extra'][1]" in str(exc) and "function" in str(exc)
+
+
+# -- defects found by reading the code (issue 8), each a test that failed before its fix -----------
+
+
+@pytest.mark.timeout(30)
+def test_an_error_after_a_result_is_taken_breaks_the_iterator(monkeypatch):
+    """ShmCapacityError while adopting a worker's new slot happens after the result was taken
+    from the worker: the iterator must shut down and say so on every later next(), never wait
+    for a result that will not come (timeout=0 would wait forever)."""
+    loader = ShmDataLoader(ds.ArrayDataset(n=16, nbytes=4096), batch_size=2, num_workers=2, timeout=0,
+                           multiprocessing_context="fork")
+    it = iter(loader)  # the workers exist now: only the main process's check is refused below
+
+    def refuse(ring):
+        raise ShmCapacityError(1 << 40, 0, "/dev/shm", f"the ring ({ring.depth} slots)")
+
+    monkeypatch.setattr(Ring, "_check_fits", refuse)
+    with pytest.raises(ShmCapacityError):
+        next(it)
+    assert it._shutdown
+    for _ in range(2):
+        with pytest.raises(LoaderBrokenError, match="ShmCapacityError"):
+            next(it)
+    del it, loader
+
+
+def test_an_error_while_waiting_for_a_slot_names_that_stage():
+    """A worker whose grant is bad fails while waiting for its slot, not 'laying out the batch'."""
+    from torch.utils.data.dataloader import _DatasetKind
+
+    from shmloader import worker as worker_module
+
+    class FakeChannel:
+        def __init__(self, incoming):
+            self.incoming, self.sent = list(incoming), []
+
+        def recv(self):
+            return self.incoming.pop(0)
+
+        def send(self, message, fds=()):
+            self.sent.append(message)
+
+    spec = worker_module.WorkerSpec(
+        worker_id=0, num_workers=1, base_seed=0, dataset_kind=_DatasetKind.Map, auto_collation=True,
+        collate_mode=worker_module.COLLATE_CUSTOM, drop_last=False, payload=None,
+        main_pid=os.getpid(), forked=False, ring_depth=4)
+    bad_grant = ("grant", 0, 5, 4096, 0)  # generation 5 of a slot, but no segment with it
+    worker = worker_module._Worker(spec, FakeChannel([(bad_grant, [])]))
+    dataset = ds.ArrayDataset(n=4, nbytes=64)
+    worker.fetcher = _DatasetKind.create_fetcher(_DatasetKind.Map, dataset, True, worker_module._identity, False)
+    worker.collate_fn = np.stack
+    worker._task(("task", 0, 0, [0, 1]))
+    kind, _epoch, idx, stage, payload = worker.channel.sent[-1]
+    assert (kind, idx) == ("error", 0)
+    assert stage == worker_module.STAGES[worker_module.AWAITING_SLOT], stage
+    assert "without its segment" in payload[2]
+
+
+@pytest.mark.timeout(60)
+def test_a_worker_error_outside_a_task_comes_with_its_message():
+    """A worker failing between tasks (here: a message it does not know) reports its exception,
+    not just 'exited with status 1'; the iterator is broken afterwards."""
+    loader = ShmDataLoader(ds.ArrayDataset(n=64, nbytes=1024), batch_size=1, num_workers=2,
+                           multiprocessing_context="fork")
+    it = iter(loader)
+    it._channels[1].send(("bogus", 42))
+    with pytest.raises(SlotProtocolError) as info:
+        for _ in range(64):
+            next(it)
+    message = str(info.value)
+    assert "DataLoader worker 1" in message and "unknown message 'bogus'" in message, message
+    assert "exited with status" not in message, message
+    with pytest.raises(LoaderBrokenError, match="SlotProtocolError"):
+        next(it)
+    del it, loader, info
+
+
+class SlowFirstSample(Dataset):
+    """Index 0 takes a second; each sample says which worker made it."""
+
+    def __len__(self):
+        return 10
+
+    def __getitem__(self, i):
+        if i == 0:
+            time.sleep(1.0)
+        return torch.tensor([i, get_worker_info().id])
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("keep", [False, True])
+def test_out_of_order_schedules_tasks_as_torch_does(keep):
+    """in_order=False with a slow index 0: the same order, from the same workers, as torch's
+    ([1, 3, 4, 5, 6, 7, 8, 9, 0, 2] from workers [1]*8 + [0]*2), whether the loop keeps its
+    batches or not."""
+    def run(cls):
+        loader = cls(SlowFirstSample(), batch_size=1, num_workers=2, prefetch_factor=2, in_order=False)
+        out = []
+        for batch in loader:
+            out.append(batch if keep else batch.clone())
+        return [(int(b[0, 0]), int(b[0, 1])) for b in out]
+
+    assert run(ShmDataLoader) == run(DataLoader)
+
+
+def test_generic_like_torchs_dataloader():
+    alias = ShmDataLoader[list[torch.Tensor]]
+    assert typing.get_origin(alias) is ShmDataLoader
+    assert typing.get_args(alias) == (list[torch.Tensor],)
+    assert len(ShmDataLoader.__parameters__) == len(DataLoader.__parameters__) == 1

@@ -1,0 +1,70 @@
+"""shmloader/channel.py: fds that arrive with a message are delivered with it, or closed when the
+message cannot be delivered (the peer disconnected mid-message, an unreadable payload)."""
+
+from __future__ import annotations
+
+import array
+import os
+import pickle
+import socket
+
+import pytest
+
+from shmloader.channel import _FRAME, Channel, ChannelClosed
+
+pytestmark = [pytest.mark.timeout(30), pytest.mark.usefixtures("no_leaks")]
+
+
+def _open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def _send_frame_with_fds(sock: socket.socket, payload_length: int, fds: list[int]) -> None:
+    frame = _FRAME.pack(payload_length, len(fds))
+    sock.sendmsg([frame], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))])
+
+
+def test_a_message_and_its_fds_arrive_together():
+    channel, peer = Channel.pair()
+    sender = Channel(peer)
+    r, w = os.pipe()
+    sender.send(("grant", 1, 2), (r,))
+    message, fds = channel.recv()
+    assert message == ("grant", 1, 2) and len(fds) == 1
+    os.write(w, b"x")
+    assert os.read(fds[0], 1) == b"x"  # the same pipe, through SCM_RIGHTS
+    for fd in (r, w, *fds):
+        os.close(fd)
+    channel.close()
+    sender.close()
+
+
+def test_fds_of_a_message_cut_off_mid_payload_are_closed():
+    channel, peer = Channel.pair()
+    r, w = os.pipe()
+    before = _open_fds()
+    _send_frame_with_fds(peer, 100, [r, w])  # announces 100 payload bytes ...
+    peer.sendall(b"only a few")  # ... and dies before the rest
+    peer.close()
+    with pytest.raises(ChannelClosed, match="mid-message"):
+        channel.recv()
+    assert _open_fds() == before - 1, "the two received fds must be closed (the peer's end too)"
+    for fd in (r, w):
+        os.close(fd)
+    channel.close()
+
+
+def test_fds_of_an_unreadable_payload_are_closed():
+    channel, peer = Channel.pair()
+    r, w = os.pipe()
+    before = _open_fds()
+    garbage = b"\x80\x05not a pickle"
+    _send_frame_with_fds(peer, len(garbage), [r])
+    peer.sendall(garbage)
+    with pytest.raises(pickle.UnpicklingError):
+        channel.recv()
+    assert _open_fds() == before
+    for fd in (r, w):
+        os.close(fd)
+    peer.close()
+    channel.close()
