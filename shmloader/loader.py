@@ -50,8 +50,8 @@ import os
 import time
 import weakref
 from dataclasses import dataclass
-from typing import TypeVar
 from multiprocessing import connection as mp_connection
+from typing import TypeVar
 
 import torch
 from torch.utils.data import DataLoader
