@@ -114,7 +114,7 @@ def ring_info(loader) -> dict | None:
     if s is None:
         return None
     out = {}
-    for k in ("ring_slots", "slot_bytes", "ring_bytes", "allocated_slots"):
+    for k in ("ring_slots", "slot_bytes", "ring_bytes", "reserved_bytes", "held_bytes"):
         v = s.get(k) if isinstance(s, dict) else getattr(s, k, None)
         if v is not None:
             out[k] = v
