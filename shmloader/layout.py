@@ -12,6 +12,21 @@ in the slot.  Everything else (containers, str, None, numbers) stays in the smal
 main process unpickles the descriptor with `persistent_load` returning views onto the slot, so
 any container type (dict, OrderedDict, namedtuple, dataclass) comes back as it was built.
 
+NOTE [ Leaves as torch's DataLoader delivers them ]
+  torch's workers pickle a batch; the main process gets whatever that pickle rebuilds.  So does
+  shmloader's, with the bytes moved to the slot instead of the pickle:
+  * a plain tensor keeps its strides (a transposed or expanded tensor stays so); only the bytes
+    from its first to its last element travel, so `storage_offset()` starts at 0;
+  * a tensor subclass (torchvision's tv_tensors, a user's subclass) pickles itself with torch's
+    own `__reduce_ex__` (its type, `__dict__` and strides), and its storage becomes a leaf;
+  * a masked array's data and mask are leaves, rebuilt as numpy's unpickling rebuilds them;
+  * object arrays and other ndarray subclasses are pickled whole, as torch pickles them;
+  * a numpy array comes back C-ordered, or F-ordered if it was Fortran-contiguous, and with a
+    non-native byte order swapped into the native one where numpy's pickle (at the protocol
+    torch's workers use) swaps it, as numpy's unpickling does.
+  With the default collate, a row that torch.as_tensor would convert (a big-endian array) or
+  refuse (negative strides) is handed to torch.as_tensor itself: torch's result, torch's error.
+
 With the default collate, samples are not stacked in memory first: `collate_into_slot` runs
 torch's own `collate` (so the structure, container types and errors are torch's) with the tensor
 and ndarray handlers replaced by `StackedLeaf`, a promise of a (batch, *row) tensor whose rows
@@ -20,11 +35,14 @@ are written straight from each sample into the slot.
 
 from __future__ import annotations
 
+import functools
 import io
 import math
 import pickle
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
+from multiprocessing.reduction import ForkingPickler
 
 import numpy as np
 import torch
@@ -118,21 +136,40 @@ def _stack_tensors(batch, *, collate_fn_map=None):
 
 class _UncollatableArray(Exception):
     """Not a TypeError, so that torch's collate does not catch it and retry (its Mapping branch
-    does); collate_into_slot turns it into a LayoutError naming the leaf's path."""
+    does); collate_into_slot re-raises `error`'s type with the leaf's path in the message."""
 
-    def __init__(self, leaf, message: str):
-        self.leaf, self.message = leaf, message
+    def __init__(self, leaf, error: Exception, sample: int = 0):
+        self.leaf, self.error, self.sample = leaf, error, sample
+
+
+def _torch_takes_as_is(array: np.ndarray) -> bool:
+    """Whether torch.as_tensor would take `array`'s memory as it is: it refuses negative strides
+    and strides that are not a multiple of the item size (a ValueError in default_collate)."""
+    itemsize = array.itemsize
+    return all(s >= 0 and s % itemsize == 0 for s in array.strides)
 
 
 def _stack_arrays(batch, *, collate_fn_map=None):
     elem = batch[0]
     if torch_collate.np_str_obj_array_pattern.search(elem.dtype.str) is not None:
-        raise _UncollatableArray(elem, torch_collate.default_collate_err_msg_format.format(elem.dtype))
+        raise _UncollatableArray(elem, TypeError(torch_collate.default_collate_err_msg_format.format(elem.dtype)))
     dtype = _NUMPY_TO_TORCH.get(elem.dtype)
-    if dtype is None or any(a.dtype != elem.dtype for a in batch):
-        return torch.stack([torch.as_tensor(a) for a in batch], 0)
+    if dtype is None or not all(a.dtype == elem.dtype and _torch_takes_as_is(a) for a in batch):
+        return _collate_as_tensors(batch, collate_fn_map)
     problem = _first_mismatch(batch, lambda a: a.shape)
     return StackedLeaf(batch, dtype, tuple(elem.shape), problem)
+
+
+def _collate_as_tensors(batch, collate_fn_map):
+    """What torch's collate_numpy_array_fn does (torch.as_tensor of each: byte-swapped copies of
+    big-endian arrays, its errors for the rest), naming the sample that fails."""
+    tensors = []
+    for i, array in enumerate(batch):
+        try:
+            tensors.append(torch.as_tensor(array))
+        except Exception as exc:
+            raise _UncollatableArray(batch[0], exc, i) from None
+    return torch_collate.collate(tensors, collate_fn_map=collate_fn_map)
 
 
 SLOT_COLLATE_MAP = dict(torch_collate.default_collate_fn_map)
@@ -144,9 +181,16 @@ def collate_into_slot(samples):
     """What `default_collate(samples)` would return, with StackedLeaf in place of stacked tensors."""
     try:
         return torch_collate.collate(samples, collate_fn_map=SLOT_COLLATE_MAP)
-    except _UncollatableArray as exc:  # torch's TypeError, with the path
+    except _UncollatableArray as exc:  # torch's exception type, with the path
         where = path_of(samples[0], exc.leaf)
-        raise LayoutError(f"cannot collate {_describe(exc.leaf)} at {where}: {exc.message}") from None
+        message = f"cannot collate {_describe(exc.leaf)} at {where} (sample {exc.sample}): {exc.error}"
+        if isinstance(exc.error, TypeError):
+            raise LayoutError(message) from None
+        try:
+            error = type(exc.error)(message)
+        except Exception:
+            raise exc.error from None
+        raise error from None
 
 
 # -- paths, for errors ---------------------------------------------------------------------------
@@ -182,11 +226,37 @@ class _Unsupported(Exception):
         self.leaf, self.reason = leaf, reason
 
 
+# The byte order numpy marks as non-native ("=" is native, "|" none).
+_SWAPPED = ">" if sys.byteorder == "little" else "<"
+
+
+@functools.cache
+def _unpickled_dtype(dtype: np.dtype, how: str) -> np.dtype:
+    """The dtype an array of `dtype` has once pickled as torch's workers pickle a batch
+    (ForkingPickler, pickle's default protocol) and unpickled: numpy turns a non-native byte
+    order into the native one (values kept) below protocol 5, and for masked or non-contiguous
+    arrays at any protocol.  `how`: "contiguous", "strided" or "masked"."""
+    probe = np.zeros(3, dtype)
+    probe = {"contiguous": probe[:1], "strided": probe[::2], "masked": np.ma.MaskedArray(probe[:1])}[how]
+    return pickle.loads(ForkingPickler.dumps(probe)).dtype
+
+
+def _byte_order_as_unpickled(array: np.ndarray, how: str) -> np.ndarray:
+    """`array` (of a non-native byte order) as torch's DataLoader would deliver it: byte-swapped
+    into native order, in the memory order numpy's pickle keeps (F if Fortran-contiguous)."""
+    dtype = _unpickled_dtype(array.dtype, how)
+    if dtype == array.dtype:
+        return array
+    return array.astype(dtype, order="F" if array.flags.fnc else "C")
+
+
 class _Planner(pickle.Pickler):
-    """Pickles the structure, assigning array leaves to aligned offsets instead of pickling them."""
+    """Pickles the structure, assigning array leaves to aligned offsets instead of pickling them.
+    Everything else is pickled at the protocol torch's workers use (what a numpy array pickled
+    whole comes back as depends on it)."""
 
     def __init__(self, file):
-        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+        super().__init__(file, protocol=pickle.DEFAULT_PROTOCOL)
         self.leaves: list[tuple[int, object]] = []
         self.end = 0
 
@@ -207,17 +277,60 @@ class _Planner(pickle.Pickler):
             if obj.device.type != "cpu":
                 raise _Unsupported(obj, f"a {obj.device.type} tensor cannot be written to shared memory; "
                                         "return CPU tensors from workers")
+            if type(obj) is not torch.Tensor:
+                return None  # a subclass: torch's __reduce_ex__ keeps its type and __dict__; its storage comes back here
             source = obj.detach().resolve_conj().resolve_neg()
-            offset = self._place(source.numel() * source.element_size(), source)
-            return ("t", offset, obj.dtype, tuple(obj.shape), obj.requires_grad)
+            shape = tuple(source.shape)
+            if source.is_contiguous():
+                offset = self._place(source.numel() * source.element_size(), source)
+                return ("t", offset, obj.dtype, shape, obj.requires_grad)
+            # torch's DataLoader keeps a view's strides: send the bytes from its first element to its last
+            stride = source.stride()
+            extent = 1 + sum((n - 1) * step for n, step in zip(shape, stride))
+            span = source.as_strided((extent,), (1,))
+            offset = self._place(extent * source.element_size(), span)
+            return ("v", offset, obj.dtype, shape, obj.requires_grad, stride, extent)
         if isinstance(obj, np.ndarray):
+            if type(obj) is not np.ndarray:
+                return self._array_subclass(obj)
             if obj.dtype.hasobject:
-                raise _Unsupported(obj, f"a numpy array of dtype {obj.dtype} holds Python objects, "
-                                        "which cannot be written to shared memory; use a numeric "
-                                        "dtype, or a list")
+                return None  # Python objects: pickled, as torch's DataLoader pickles them
+            if obj.dtype.byteorder == _SWAPPED:
+                contiguous = obj.flags.c_contiguous or obj.flags.f_contiguous
+                obj = _byte_order_as_unpickled(obj, "contiguous" if contiguous else "strided")
             order = "F" if obj.flags.f_contiguous and not obj.flags.c_contiguous else "C"
             return ("n", self._place(obj.nbytes, obj), obj.dtype, obj.shape, order)
+        kind = type(obj)
+        if kind is torch.storage.TypedStorage or kind is torch.UntypedStorage:
+            return self._storage(obj)
         return None
+
+    def _array_subclass(self, obj: np.ndarray):
+        """A masked array as two leaves (data and mask, in the data's memory order as numpy's
+        pickle has them); any other ndarray subclass pickles itself, as under torch."""
+        if type(obj) is not np.ma.MaskedArray or obj.dtype.hasobject or obj._baseclass is not np.ndarray:
+            return None
+        data = obj.data
+        if data.dtype.byteorder == _SWAPPED:
+            data = _byte_order_as_unpickled(data, "masked")
+        mask = np.ma.getmaskarray(obj)
+        fortran = data.flags.fnc
+        if mask.flags.fnc != fortran:
+            mask = mask.copy(order="F" if fortran else "C")
+        fill_value = obj._fill_value
+        if isinstance(fill_value, np.ndarray) and fill_value.ndim == 0:
+            fill_value = fill_value[()]  # a scalar in the descriptor, not a leaf of its own
+        return ("m", data, mask, fill_value)  # the pickler lays data and mask out as "n" leaves
+
+    def _storage(self, storage):
+        """The storage of a tensor subclass, met while torch's __reduce_ex__ pickles it."""
+        typed = type(storage) is torch.storage.TypedStorage
+        untyped = storage._untyped_storage if typed else storage
+        if untyped.device.type != "cpu":
+            raise _Unsupported(storage, f"a {untyped.device.type} storage cannot be written to shared memory")
+        nbytes = untyped.nbytes()
+        as_bytes = torch.empty(0, dtype=torch.uint8).set_(untyped)
+        return ("s", self._place(nbytes, as_bytes), storage.dtype if typed else None, nbytes)
 
 
 @dataclass
@@ -251,7 +364,7 @@ def plan_batch(structure) -> BatchPlan:
 
 def _pickling_error(structure, exc: Exception) -> LayoutError:
     for path, leaf in iter_leaves(structure):
-        if isinstance(leaf, (torch.Tensor, np.ndarray, StackedLeaf)):
+        if type(leaf) in (torch.Tensor, StackedLeaf) or (type(leaf) is np.ndarray and not leaf.dtype.hasobject):
             continue
         try:
             pickle.dumps(leaf, protocol=pickle.HIGHEST_PROTOCOL)
@@ -315,29 +428,63 @@ class _SlotUnpickler(pickle.Unpickler):
         self.payload_base = payload_base
         self.payload_end = payload_end
 
-    def persistent_load(self, pid):
-        kind, offset, dtype, shape, extra = pid
-        count = math.prod(shape)
+    def _start(self, offset: int, nbytes: int) -> int:
         start = self.payload_base + offset
-        itemsize = dtype.itemsize
-        if start + count * itemsize > self.payload_end:
+        if start + nbytes > self.payload_end:
             raise SlotProtocolError(
-                f"a leaf of {count * itemsize} bytes at offset {start} lies past the slot's "
+                f"a leaf of {nbytes} bytes at offset {start} lies past the slot's "
                 f"payload end {self.payload_end}"
             )
+        return start
+
+    def persistent_load(self, pid):
+        kind = pid[0]
         if kind == "t":
+            _, offset, dtype, shape, requires_grad = pid
+            count = math.prod(shape)
+            start = self._start(offset, count * dtype.itemsize)
             if count == 0:
                 view = torch.empty(shape, dtype=dtype)
             else:
                 view = torch.frombuffer(self.lease, dtype=dtype, count=count, offset=start).view(shape)
-            if extra:
+            if requires_grad:
                 view.requires_grad_(True)
             return view
         if kind == "n":
+            _, offset, dtype, shape, order = pid
+            count = math.prod(shape)
+            start = self._start(offset, count * dtype.itemsize)
             if count == 0:
-                return np.empty(shape, dtype=dtype, order=extra)
+                return np.empty(shape, dtype=dtype, order=order)
             flat = np.frombuffer(self.lease, dtype=dtype, count=count, offset=start)
-            return flat.reshape(shape, order=extra)
+            return flat.reshape(shape, order=order)
+        if kind == "v":
+            _, offset, dtype, shape, requires_grad, stride, extent = pid
+            start = self._start(offset, extent * dtype.itemsize)
+            if extent <= 0 or min(stride, default=0) < 0 or extent < 1 + sum((n - 1) * s for n, s in zip(shape, stride)):
+                raise SlotProtocolError(f"a strided leaf of shape {list(shape)}, strides {list(stride)} "
+                                        f"does not fit its {extent} elements")
+            span = torch.frombuffer(self.lease, dtype=dtype, count=extent, offset=start)
+            view = span.as_strided(shape, stride)
+            if requires_grad:
+                view.requires_grad_(True)
+            return view
+        if kind == "s":
+            _, offset, dtype, nbytes = pid
+            start = self._start(offset, nbytes)
+            if nbytes == 0:
+                untyped = torch.UntypedStorage(0)
+            else:
+                untyped = torch.frombuffer(self.lease, dtype=torch.uint8, count=nbytes, offset=start).untyped_storage()
+            if dtype is None:
+                return untyped
+            return torch.storage.TypedStorage(wrap_storage=untyped, dtype=dtype, _internal=True)
+        if kind == "m":
+            _, data, mask, fill_value = pid  # data and mask: "n" leaves, already loaded
+            # numpy's _mareconstruct and MaskedArray.__setstate__, with the slot's views
+            masked = np.ma.MaskedArray.__new__(np.ma.MaskedArray, data, mask=mask, dtype=data.dtype)
+            masked.fill_value = fill_value
+            return masked
         raise pickle.UnpicklingError(f"unknown leaf kind {kind!r} in a slot descriptor")
 
 

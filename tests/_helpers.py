@@ -17,16 +17,15 @@ from shmloader import ShmDataLoader
 
 
 def assert_same(got, want, path: str = "batch") -> None:
-    """`got` equals `want` leaf for leaf, with the same container and leaf types, dtypes, shapes."""
+    """`got` equals `want` leaf for leaf: the same container and leaf types (tensor subclasses and
+    masked arrays exactly), dtypes (byte order included), shapes, strides of the dimensions that
+    have any (size > 1), subclass attributes, masks and fill values, and bytes, bit for bit (NaN
+    payloads included)."""
     assert type(got) is type(want), f"{path}: {type(got).__name__} != {type(want).__name__}"
     if isinstance(want, torch.Tensor):
-        assert got.dtype == want.dtype, f"{path}: dtype {got.dtype} != {want.dtype}"
-        assert got.shape == want.shape, f"{path}: shape {tuple(got.shape)} != {tuple(want.shape)}"
-        assert torch.equal(got, want), f"{path}: values differ"
+        _assert_same_tensor(got, want, path)
     elif isinstance(want, np.ndarray):
-        assert got.dtype == want.dtype, f"{path}: dtype {got.dtype} != {want.dtype}"
-        assert got.shape == want.shape, f"{path}: shape {got.shape} != {want.shape}"
-        np.testing.assert_array_equal(got, want, err_msg=path)
+        _assert_same_array(got, want, path)
     elif isinstance(want, collections.abc.Mapping):
         assert list(got) == list(want), f"{path}: keys {list(got)} != {list(want)}"
         for key in want:
@@ -35,8 +34,64 @@ def assert_same(got, want, path: str = "batch") -> None:
         assert len(got) == len(want), f"{path}: length {len(got)} != {len(want)}"
         for i, (g, w) in enumerate(zip(got, want)):
             assert_same(g, w, f"{path}[{i}]")
+    elif dataclasses.is_dataclass(want) and not isinstance(want, type):
+        for field in dataclasses.fields(want):
+            assert_same(getattr(got, field.name), getattr(want, field.name), f"{path}.{field.name}")
     else:
         assert got == want, f"{path}: {got!r} != {want!r}"
+
+
+def _laid_out(shape, strides) -> tuple:
+    """The strides that matter: those of dimensions with more than one element (none at all in
+    an empty array)."""
+    if 0 in tuple(shape):
+        return ()
+    return tuple(step for n, step in zip(shape, strides) if n > 1)
+
+
+def tensor_bytes(tensor: torch.Tensor) -> bytes:
+    """A tensor's values as bytes in C order (lazy conjugation and negation applied)."""
+    plain = tensor.detach().as_subclass(torch.Tensor).resolve_conj().resolve_neg()
+    dense = torch.empty(plain.numel(), dtype=plain.dtype)
+    dense.copy_(plain.reshape(-1))
+    return dense.view(torch.uint8).numpy().tobytes()
+
+
+def _assert_same_tensor(got: torch.Tensor, want: torch.Tensor, path: str) -> None:
+    assert got.dtype == want.dtype, f"{path}: dtype {got.dtype} != {want.dtype}"
+    assert got.shape == want.shape, f"{path}: shape {tuple(got.shape)} != {tuple(want.shape)}"
+    assert got.layout == want.layout, f"{path}: layout {got.layout} != {want.layout}"
+    assert got.requires_grad == want.requires_grad, f"{path}: requires_grad {got.requires_grad}"
+    if want.layout != torch.strided:
+        assert torch.equal(got.to_dense(), want.to_dense()), f"{path}: values differ"
+        return
+    assert _laid_out(got.shape, got.stride()) == _laid_out(want.shape, want.stride()), (
+        f"{path}: strides {got.stride()} != {want.stride()}")
+    assert tensor_bytes(got) == tensor_bytes(want), f"{path}: values differ"
+    assert_same(vars(got), vars(want), f"{path}.__dict__")  # a subclass's metadata
+
+
+def _assert_same_array(got: np.ndarray, want: np.ndarray, path: str) -> None:
+    assert got.dtype == want.dtype and got.dtype.str == want.dtype.str, f"{path}: dtype {got.dtype.str} != {want.dtype.str}"
+    assert got.shape == want.shape, f"{path}: shape {got.shape} != {want.shape}"
+    assert _laid_out(got.shape, got.strides) == _laid_out(want.shape, want.strides), (
+        f"{path}: strides {got.strides} != {want.strides}")
+    if isinstance(want, np.ma.MaskedArray):
+        assert (got.mask is np.ma.nomask) == (want.mask is np.ma.nomask), f"{path}: mask {got.mask!r} != {want.mask!r}"
+        mask, want_mask = np.ma.getmaskarray(got), np.ma.getmaskarray(want)
+        assert mask.tobytes() == want_mask.tobytes(), f"{path}: mask {mask} != {want_mask}"
+        assert _laid_out(mask.shape, mask.strides) == _laid_out(want_mask.shape, want_mask.strides), (
+            f"{path}: mask strides {mask.strides} != {want_mask.strides}")
+        fill, want_fill = np.asarray(got.fill_value), np.asarray(want.fill_value)
+        assert fill.dtype == want_fill.dtype and fill.tobytes() == want_fill.tobytes(), (
+            f"{path}: fill_value {got.fill_value!r} != {want.fill_value!r}")
+        assert got.hardmask == want.hardmask, f"{path}: hardmask {got.hardmask} != {want.hardmask}"
+        assert got.baseclass is want.baseclass, f"{path}: baseclass {got.baseclass} != {want.baseclass}"
+        got, want = got.data, want.data
+    if want.dtype.hasobject:
+        assert_same(got.tolist(), want.tolist(), path)
+    else:
+        assert got.tobytes() == want.tobytes(), f"{path}: values differ"
 
 
 def assert_same_batches(got: list, want: list) -> None:
