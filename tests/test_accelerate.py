@@ -15,7 +15,11 @@ from shmloader import ShmDataLoader
 from . import _datasets as ds
 from ._launch import run_python
 
-accelerate = pytest.importorskip("accelerate")
+
+@pytest.fixture(scope="module")
+def accelerate():
+    """The accelerate package (an installed but broken one fails these tests, not collection)."""
+    return pytest.importorskip("accelerate")
 
 
 def check_shards(ranks: list[dict]) -> None:
@@ -43,7 +47,7 @@ def check_shards(ranks: list[dict]) -> None:
 
 
 @pytest.mark.timeout(120)
-def test_plain_prepare_drops_the_shared_memory_transport(no_leaks):
+def test_plain_prepare_drops_the_shared_memory_transport(accelerate, no_leaks):
     """Why accelerate_prepare exists: accelerate rebuilds the loader as a torch DataLoader."""
     accelerator = accelerate.Accelerator(cpu=True)
     loader = ShmDataLoader(ds.DictDataset(n=8), batch_size=4, num_workers=1)
@@ -58,7 +62,7 @@ def test_plain_prepare_drops_the_shared_memory_transport(no_leaks):
 
 
 @pytest.mark.timeout(120)
-def test_prepare_returns_every_object_in_order(no_leaks):
+def test_prepare_returns_every_object_in_order(accelerate, no_leaks):
     """Like accelerator.prepare: models, optimizers and other objects come back as it returns
     them, in the order given; only the ShmDataLoader's base loader differs."""
     accelerator = accelerate.Accelerator(cpu=True)
@@ -74,7 +78,7 @@ def test_prepare_returns_every_object_in_order(no_leaks):
 
 
 @pytest.mark.timeout(150)
-def test_one_process(tmp_path, no_leaks):
+def test_one_process(accelerate, tmp_path, no_leaks):
     from . import _accelerate_script
 
     _accelerate_script.main(str(tmp_path))
@@ -82,6 +86,6 @@ def test_one_process(tmp_path, no_leaks):
 
 
 @pytest.mark.timeout(180)
-def test_two_processes_under_torchrun(tmp_path):
+def test_two_processes_under_torchrun(accelerate, tmp_path):
     run_python("-m", "tests._accelerate_script", str(tmp_path), torchrun_ranks=2)
     check_shards([json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)])

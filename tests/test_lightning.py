@@ -15,43 +15,48 @@ from . import _datasets as ds
 from ._helpers import assert_same_batches, collect, seeded
 from ._launch import run_python
 
-L = pytest.importorskip("lightning")
+
+@pytest.fixture(scope="module")
+def L():
+    """The lightning package (an installed but broken one fails these tests, not collection)."""
+    return pytest.importorskip("lightning")
 
 
-class Recorder(L.LightningModule):
-    """Keeps a copy of every batch it trains and validates on, and the loaders it was given."""
+def recorder(L):
+    """A LightningModule that keeps a copy of every batch it trains and validates on, and the
+    loaders it was given."""
 
-    def __init__(self):
-        super().__init__()
-        self.layer = torch.nn.Linear(60, 1)
-        self.train_batches: list = []
-        self.val_batches: list = []
-        self.loaders: list = []
+    class Recorder(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.layer = torch.nn.Linear(60, 1)
+            self.train_batches: list = []
+            self.val_batches: list = []
+            self.loaders: list = []
 
-    def _loss(self, batch):
-        return self.layer(batch["image"].reshape(len(batch["label"]), -1)).square().mean()
+        def training_step(self, batch, batch_idx):
+            self.train_batches.append(copy.deepcopy(batch))
+            self.loaders.append(self.trainer.train_dataloader)
+            return self.layer(batch["image"].reshape(len(batch["label"]), -1)).square().mean()
 
-    def training_step(self, batch, batch_idx):
-        self.train_batches.append(copy.deepcopy(batch))
-        self.loaders.append(self.trainer.train_dataloader)
-        return self._loss(batch)
+        def validation_step(self, batch, batch_idx):
+            self.val_batches.append(copy.deepcopy(batch))
 
-    def validation_step(self, batch, batch_idx):
-        self.val_batches.append(copy.deepcopy(batch))
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.01)
 
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.01)
+    return Recorder()
 
 
 @pytest.mark.timeout(120)
-def test_fit_on_one_process(no_leaks):
+def test_fit_on_one_process(L, no_leaks):
     """Without DDP Lightning iterates the loaders it is given: batches through slots, in torch's
     order (the loader's generator reshuffles each epoch as torch's does)."""
     dataset = ds.DictDataset(n=16)
     kwargs = dict(batch_size=4, shuffle=True, num_workers=2, persistent_workers=True)
     train = ShmDataLoader(dataset, generator=seeded(3), slot_bytes=1 << 16, **kwargs)
     val = ShmDataLoader(ds.DictDataset(n=8), batch_size=4, num_workers=1)
-    model = Recorder()
+    model = recorder(L)
     trainer = L.Trainer(accelerator="cpu", devices=1, max_epochs=2, num_sanity_val_steps=0,
                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False)
@@ -68,7 +73,7 @@ def test_fit_on_one_process(no_leaks):
 
 
 @pytest.mark.timeout(180)
-def test_fit_with_ddp_on_two_processes(tmp_path):
+def test_fit_with_ddp_on_two_processes(L, tmp_path):
     """`Trainer(strategy="ddp", accelerator="cpu", devices=2)`: each rank's re-created loaders
     are ShmDataLoaders with the slot arguments given, moved their batches through slots, and
     yielded exactly torch's DataLoader with the same DistributedSampler, epoch by epoch
