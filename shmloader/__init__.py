@@ -1,6 +1,7 @@
 """shmloader: a drop-in torch DataLoader that moves batches through shared memory, not pickles."""
 
 from ._version import __version__
+from .accelerate import accelerate_prepare
 from .cuda import CudaUnavailableError
 from .errors import (
     BatchShapeError,
@@ -22,6 +23,7 @@ __all__ = [
     "ShmDataLoader",
     "LoaderStats",
     "CudaPrefetcher",
+    "accelerate_prepare",
     "CudaUnavailableError",
     "ShmLoaderError",
     "WorkerDiedError",
