@@ -14,8 +14,8 @@ torch's transport (pickled through a pipe, tensors in a new shared-memory segmen
 `accelerate_prepare(accelerator, *objects)` calls `accelerator.prepare(*objects)` as usual, then,
 for each ShmDataLoader among `objects`, replaces the prepared object's `base_dataloader` with a
 ShmDataLoader built from exactly the same arguments -- the same (sharded) batch sampler object,
-dataset, collate_fn, workers, generator, ... -- plus the original's `slot_bytes` and
-`max_ring_slots`.  What accelerate does around the base loader (sharding, device placement,
+dataset, collate_fn, workers, generator, ... -- plus the original's `slot_bytes`,
+`max_ring_slots` and `max_ring_bytes`.  What accelerate does around the base loader (sharding, device placement,
 `set_epoch`, synchronised sampler seeds, seedable samplers, dispatching) is unchanged, because it
 is accelerate's own object that is returned; it now reports ShmDataLoader as its class and answers
 `stats()` (tests/test_accelerate.py compares it with accelerate's own, batch for batch).
@@ -87,4 +87,5 @@ def _shm_like(base: DataLoader, original: ShmDataLoader) -> ShmDataLoader:
         prefetch_factor=base.prefetch_factor, persistent_workers=base.persistent_workers,
         pin_memory_device=base.pin_memory_device, in_order=base.in_order,
         slot_bytes=original.slot_bytes, max_ring_slots=original.max_ring_slots,
+        max_ring_bytes=original.max_ring_bytes,
     )
