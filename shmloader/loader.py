@@ -311,8 +311,8 @@ class _ShmLoaderIter(_BaseDataLoaderIter):
         if not first_iter:
             self._events.clear()  # read ahead in the last epoch, never delivered: free their slots
             self._epoch += 1
-            for channel in self._channels:
-                channel.send(("resume", self._epoch))
+            for worker_id in range(self._num_workers):
+                self._send(worker_id, ("resume", self._epoch))
             self._resumed = 0
             # Stale results of the last epoch arrive before each worker's "resumed" and free
             # their slots here.
@@ -338,7 +338,7 @@ class _ShmLoaderIter(_BaseDataLoaderIter):
                     break
         else:
             return
-        self._channels[worker_id].send(("task", self._epoch, self._send_idx, index))
+        self._send(worker_id, ("task", self._epoch, self._send_idx, index))
         self._unreceived[(self._epoch, self._send_idx)] = worker_id
         self._grant_in_order()
         self._task_info[self._send_idx] = (worker_id,)
@@ -378,8 +378,16 @@ class _ShmLoaderIter(_BaseDataLoaderIter):
         if capacity and self._known_generation[worker_id].get(slot) != generation:
             fds = (ring.fd(slot),)
             self._known_generation[worker_id][slot] = generation
-        self._channels[worker_id].send(("grant", slot, generation, capacity, hint), fds)
+        self._send(worker_id, ("grant", slot, generation, capacity, hint), fds)
         self._grants[worker_id].add(slot)
+
+    def _send(self, worker_id: int, message: tuple, fds: tuple[int, ...] = ()) -> None:
+        """Send to a worker; a socket its end of which is gone means the worker is gone, and it
+        is reported as such (with its last words, if it sent any), never as a BrokenPipeError."""
+        try:
+            self._channels[worker_id].send(message, fds)
+        except (BrokenPipeError, ConnectionResetError):
+            self._worker_died(worker_id)
 
     def _forget_retired(self) -> None:
         """Tell the workers that still map a detached or pre-growth segment to unmap it, so that
@@ -388,7 +396,7 @@ class _ShmLoaderIter(_BaseDataLoaderIter):
             for worker_id, known in enumerate(self._known_generation):
                 if known.get(slot) == generation:
                     del known[slot]
-                    self._channels[worker_id].send(("forget", slot, generation))
+                    self._send(worker_id, ("forget", slot, generation))
 
     def _slot_available(self) -> bool:
         """Whether a slot can be granted now: a free one, one whose copy fence completes (waiting
