@@ -1,5 +1,5 @@
-"""docs/integrations.md (the README's "Using it with Lightning, Accelerate and torchrun") runs as
-written: every ```python block is saved under the file name its first line gives and launched with
+"""The README's section "Using it with Lightning, Accelerate and torchrun" runs as written:
+every ```python block is saved under the file name its first line gives and launched with
 the command that line gives (`python NAME` or `torchrun --nproc_per_node=N NAME`), in an empty
 directory; every rank must print its loader's `stats()` with batches that came through slots."""
 
@@ -13,14 +13,18 @@ import pytest
 
 from ._launch import REPO, run_python
 
-DOC = os.path.join(REPO, "docs", "integrations.md")
+DOC = os.path.join(REPO, "README.md")
+SECTION = "## Using it with Lightning, Accelerate and torchrun"
 HEADER = re.compile(r"# (?P<name>\w+\.py) -- run: (?P<command>.+)")
 
 
 def snippets() -> list[tuple[str, str, list[str]]]:
     """(file name, code, command words) of each python block of the document."""
     with open(DOC) as doc:
-        blocks = re.findall(r"```python\n(.*?)```", doc.read(), flags=re.S)
+        text = doc.read()
+    assert SECTION in text, f"{DOC} has no section {SECTION!r}"
+    section = text.split(SECTION, 1)[1].split("\n## ", 1)[0]
+    blocks = re.findall(r"```python\n(.*?)```", section, flags=re.S)
     found = []
     for code in blocks:
         header = HEADER.fullmatch(code.splitlines()[0])
