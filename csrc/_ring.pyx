@@ -8,12 +8,18 @@ shmloader/ring.py.
 
 cimport cython
 from cpython.buffer cimport PyBuffer_FillInfo
+from cpython.object cimport PyObject
+from cpython.mem cimport PyMem_RawMalloc
+from cpython.pycapsule cimport PyCapsule_New
+from cpython.ref cimport Py_INCREF
 from libc.errno cimport errno
 from libc.stdint cimport int64_t, uint8_t, uint32_t, uint64_t, uintptr_t
 from libc.string cimport memcpy
 from posix.unistd cimport close
 
 from ring cimport (
+    PyDataMem_SetHandler, SHM_ARENA_ALIGN, _import_array, shm_arena, shm_arena_handler,
+    shm_arena_open, shm_arena_unlink_and_free, shm_arenas,
     SHM_HEADER_BYTES, SHM_LEAF_ALIGN, SHM_SLOT_FREE, SHM_SLOT_LEASED, SHM_SLOT_MAGIC,
     SHM_SLOT_READY, SHM_SLOT_VERSION, SHM_SLOT_WRITING, shm_map, shm_reserve, shm_slot_header,
     shm_unmap, slot_acquire, slot_claim, slot_init, slot_publish, slot_release, slot_state,
@@ -113,10 +119,11 @@ cdef class Segment:
         slot_init(self._header(), self._size, generation)
 
     def header(self):
-        """(magic, version, state, capacity, generation, writer, sequence, descriptor_bytes, payload_end)."""
+        """(magic, version, state, capacity, generation, writer, sequence, descriptor_bytes,
+        payload_end, descriptor_offset)."""
         cdef shm_slot_header *h = self._header()
         return (h.magic, h.version, slot_state(h), h.capacity, h.generation, h.writer,
-                h.sequence, h.descriptor_bytes, h.payload_end)
+                h.sequence, h.descriptor_bytes, h.payload_end, h.descriptor_offset)
 
     def state(self):
         return slot_state(self._header())
@@ -125,12 +132,15 @@ cdef class Segment:
         """FREE -> WRITING; returns the state found (FREE means claimed)."""
         return slot_claim(self._header(), writer, sequence)
 
-    def publish(self, uint64_t descriptor_bytes, uint64_t payload_end):
-        if payload_end > self._size or SHM_HEADER_BYTES + descriptor_bytes > self._size:
+    def publish(self, uint64_t descriptor_bytes, uint64_t payload_end,
+                uint64_t descriptor_offset=SHM_HEADER_BYTES):
+        if (payload_end > self._size or descriptor_offset < SHM_HEADER_BYTES
+                or descriptor_bytes > self._size - descriptor_offset
+                or descriptor_offset + descriptor_bytes > payload_end):
             raise ValueError(
-                f"publish past the slot: descriptor {descriptor_bytes} bytes, payload end "
-                f"{payload_end}, capacity {self._size}")
-        slot_publish(self._header(), descriptor_bytes, payload_end)
+                f"publish past the slot: descriptor {descriptor_bytes} bytes at {descriptor_offset}, "
+                f"payload end {payload_end}, capacity {self._size}")
+        slot_publish(self._header(), descriptor_offset, descriptor_bytes, payload_end)
 
     def acquire(self):
         """READY -> LEASED; returns the state found (READY means acquired)."""
@@ -222,3 +232,117 @@ cdef class SlotLease:
 
     def __repr__(self):
         return f"<SlotLease slot={self.slot} generation={self.generation} batch={self.sequence}>"
+
+
+_import_array()
+_ARENA_HANDLER = PyCapsule_New(<void *>&shm_arena_handler, "mem_handler", NULL)
+
+
+cdef class SlotArena:
+    """numpy's data allocator pointed at a slot while a worker runs the user's collate_fn (the
+    mechanism and its rules are in csrc/arena.h; shmloader/worker.py decides when to use it).
+
+        arena = SlotArena(segment, begin, min_bytes)
+        with arena:                       # numpy allocations of >= min_bytes come from the slot
+            batch = collate_fn(samples)
+        ... lay out batch: leaves with arena.holds(address, nbytes) are described, not copied ...
+        del batch
+        survivors = arena.release()       # > 0: the worker kept arrays that live in the slot
+
+    After release the arena belongs to csrc/arena.h's list until its last block is freed; it
+    keeps `segment` mapped until then.
+    """
+
+    cdef shm_arena *_a
+    cdef object _previous
+    cdef char *_base
+
+    def __cinit__(self, Segment segment, uint64_t begin, uint64_t min_bytes):
+        global shm_arenas
+        if segment._base == NULL:
+            raise ValueError("slot segment is unmapped")
+        if begin > segment._size:
+            raise ValueError(f"arena start {begin} lies past the {segment._size}-byte slot")
+        cdef shm_arena *a = <shm_arena *>PyMem_RawMalloc(sizeof(shm_arena))
+        if a == NULL:
+            raise MemoryError()
+        a.lo = segment._base + begin
+        a.hi = segment._base + segment._size
+        a.cursor = a.lo
+        a.min_bytes = min_bytes
+        a.live = 0
+        a.open = 0
+        a.released = 0
+        Py_INCREF(segment)
+        a.owner = <PyObject *>segment
+        a.next = shm_arenas
+        shm_arenas = a
+        self._a = a
+        self._base = segment._base
+
+    def __enter__(self):
+        global shm_arena_open
+        if self._a == NULL or self._a.released:
+            raise ValueError("this slot arena has been released")
+        if shm_arena_open != NULL:
+            raise RuntimeError("another slot arena is open in this process")
+        self._previous = PyDataMem_SetHandler(_ARENA_HANDLER)
+        self._a.open = 1
+        shm_arena_open = self._a
+        return self
+
+    def __exit__(self, *exc_info):
+        self.close()
+        return False
+
+    def close(self):
+        """Stop handing out blocks and give numpy its previous allocator back."""
+        global shm_arena_open
+        if self._a != NULL and self._a.open:
+            self._a.open = 0
+            shm_arena_open = NULL
+            PyDataMem_SetHandler(self._previous)
+            self._previous = None
+
+    @property
+    def used_end(self):
+        """Offset in the slot past the last block handed out (64-aligned)."""
+        if self._a == NULL:
+            raise ValueError("this slot arena has been released")
+        return (<uint64_t>(self._a.cursor - self._base) + SHM_ARENA_ALIGN - 1) // SHM_ARENA_ALIGN * SHM_ARENA_ALIGN
+
+    @property
+    def live(self):
+        """Blocks handed out and not freed yet."""
+        return self._a.live if self._a != NULL else 0
+
+    def offset_of(self, uintptr_t address, uint64_t nbytes):
+        """The slot offset of [address, address + nbytes) if it lies in a block of this arena,
+        else None."""
+        if self._a == NULL:
+            return None
+        cdef uintptr_t lo = <uintptr_t>self._a.lo
+        cdef uintptr_t end = <uintptr_t>self._a.cursor
+        if address < lo or address > end or nbytes > end - address:
+            return None
+        return address - <uintptr_t>self._base
+
+    def release(self):
+        """The worker is done with the arena; returns how many of its blocks are still alive
+        (kept by the user's code).  Those keep the slot's segment mapped in this process."""
+        self.close()
+        if self._a == NULL:
+            return 0
+        cdef shm_arena *a = self._a
+        cdef int64_t survivors = a.live
+        self._a = NULL
+        a.released = 1
+        if survivors == 0:
+            shm_arena_unlink_and_free(a)
+        return survivors
+
+    def __dealloc__(self):
+        if self._a != NULL:
+            if self._a.open:
+                self.close()
+            self.release()

@@ -2,8 +2,12 @@
  *
  * A slot is one POSIX shared-memory segment, mapped by the main process and by the workers.
  *
- *   offset 0                      SHM_HEADER_BYTES        descriptor_end (64-aligned)     capacity
- *   | shm_slot_header (128 bytes) | descriptor (pickle)   | array leaves at 64-aligned    |
+ *   offset 0                      SHM_HEADER_BYTES                                          capacity
+ *   | shm_slot_header (128 bytes) | array leaves at 64-aligned offsets | descriptor (pickle) |
+ *
+ * Leaf offsets are absolute (from the segment's start), so arrays a numpy collate_fn allocated
+ * in the slot itself (csrc/arena.h) stay where they were born; the descriptor follows the last
+ * leaf and the header says where it is.
  *
  * The header starts with a magic number and a layout version so that a stale or foreign segment
  * is refused clearly.  `state` is the slot's lifecycle word, changed with atomics only:
@@ -28,7 +32,7 @@
 #include <unistd.h>
 
 #define SHM_SLOT_MAGIC 0x544f4c534c4d4853ULL /* "SHMLSLOT" little-endian */
-#define SHM_SLOT_VERSION 1u
+#define SHM_SLOT_VERSION 2u
 #define SHM_HEADER_BYTES 128u
 #define SHM_LEAF_ALIGN 64u
 
@@ -47,9 +51,10 @@ typedef struct {
     uint64_t generation;       /* bumped each time the slot is replaced by a larger segment */
     int64_t writer;            /* worker id while WRITING or READY, -1 otherwise */
     uint64_t sequence;         /* batch number (send index) held while WRITING/READY/LEASED */
-    uint64_t descriptor_bytes; /* pickled descriptor length, starting at SHM_HEADER_BYTES */
-    uint64_t payload_end;      /* first byte past the last array leaf */
-    uint8_t reserved[SHM_HEADER_BYTES - 64];
+    uint64_t descriptor_bytes; /* pickled descriptor length */
+    uint64_t payload_end;      /* first byte past the last leaf and the descriptor */
+    uint64_t descriptor_offset; /* where the descriptor starts */
+    uint8_t reserved[SHM_HEADER_BYTES - 72];
 } shm_slot_header;
 
 _Static_assert(sizeof(shm_slot_header) == SHM_HEADER_BYTES, "slot header must be 128 bytes");
@@ -97,12 +102,15 @@ static inline uint32_t slot_claim(shm_slot_header *h, int64_t writer, uint64_t s
         h->sequence = sequence;
         h->descriptor_bytes = 0;
         h->payload_end = 0;
+        h->descriptor_offset = 0;
     }
     return expected;
 }
 
 /* WRITING -> READY: everything written before this call is visible to an acquiring reader. */
-static inline void slot_publish(shm_slot_header *h, uint64_t descriptor_bytes, uint64_t payload_end) {
+static inline void slot_publish(shm_slot_header *h, uint64_t descriptor_offset,
+                                uint64_t descriptor_bytes, uint64_t payload_end) {
+    h->descriptor_offset = descriptor_offset;
     h->descriptor_bytes = descriptor_bytes;
     h->payload_end = payload_end;
     __atomic_store_n(&h->state, SHM_SLOT_READY, __ATOMIC_RELEASE);
