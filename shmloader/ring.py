@@ -331,7 +331,8 @@ class Ring:
         segment = self._segments[slot]
         if segment is None or self._states[slot] != _DISPATCHED:
             raise SlotProtocolError(f"slot {slot} reported ready but it is {self._states[slot]}")
-        magic, version, state, capacity, generation, _writer, seq, desc_bytes, payload_end = segment.header()
+        (magic, version, state, capacity, generation, _writer, seq, desc_bytes, payload_end,
+         desc_offset) = segment.header()
         if magic != _ring.MAGIC or version != _ring.VERSION:
             raise SlotProtocolError(
                 f"slot {slot} has magic {magic:#x} version {version}; expected {_ring.MAGIC:#x} "
@@ -344,17 +345,17 @@ class Ring:
             )
         if seq != sequence:
             raise SlotProtocolError(f"slot {slot} holds batch {seq}, expected batch {sequence}")
-        if _ring.HEADER_BYTES + desc_bytes > payload_end or payload_end > capacity:
+        if desc_offset < _ring.HEADER_BYTES or desc_offset + desc_bytes > payload_end or payload_end > capacity:
             raise SlotProtocolError(
-                f"slot {slot} descriptor of {desc_bytes} bytes / payload end {payload_end} "
-                f"lie outside its {capacity} bytes"
+                f"slot {slot} descriptor of {desc_bytes} bytes at {desc_offset} / payload end "
+                f"{payload_end} lie outside its {capacity} bytes"
             )
         found = segment.acquire()
         if found != _ring.READY:
             raise SlotProtocolError(f"slot {slot} is in state {found}, not READY")
         self._states[slot] = _LEASED
         self._leased[slot] = None
-        descriptor = segment.read(_ring.HEADER_BYTES, desc_bytes)
+        descriptor = segment.read(desc_offset, desc_bytes)
         return _ring.SlotLease(segment, slot, generation, sequence, on_release), descriptor, payload_end
 
     def release_callback(self):

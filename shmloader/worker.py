@@ -47,7 +47,19 @@ from .ring import create_segment, slot_capacity
 # How the batch is built in the worker.
 COLLATE_INTO_SLOT = "slot"  # collate_fn is torch's default_collate: rows written in place
 COLLATE_CONVERT = "convert"  # collate_fn is torch's default_convert (batch_size=None)
-COLLATE_CUSTOM = "custom"  # the user's collate_fn, output copied once
+COLLATE_CUSTOM = "custom"  # the user's collate_fn, output copied once (or born in the slot)
+
+# NOTE [ One copy for a numpy collate_fn ]
+#   While the user's collate_fn runs, numpy's data allocator hands out allocations of at least
+#   ARENA_MIN_BYTES from the slot this worker's batch will go to (csrc/arena.h, when the worker
+#   holds an already created grant), so np.stack / np.concatenate / np.empty-then-fill build the
+#   batch's arrays in the slot itself; the layout describes such leaves where they are instead
+#   of copying them.  Smaller allocations, torch tensors and everything made outside the call
+#   come from the heap and are copied once, as before.  If the collate_fn keeps an array born in
+#   the slot (a cache) past the batch, the slot is left to it and the batch is moved to a fresh
+#   segment (`_move_batch`), so a kept array never shares bytes with a slot written again.
+#   SHMLOADER_SLOT_ARENA=0 turns it off.
+ARENA_MIN_BYTES = 16 * 1024
 
 
 # What a worker is doing, as it records it in its status word (for a death report: a worker
@@ -371,6 +383,7 @@ class _Worker:
         stage = STAGES[IDLE]
         grant = None
         segment = None
+        arena = None
         try:
             if self.init_error is not None:
                 stage, payload = self.init_error
@@ -396,17 +409,24 @@ class _Worker:
             elif spec.collate_mode == COLLATE_CONVERT:
                 batch = torch_collate.default_convert(samples)
             else:
-                batch = self.collate_fn(samples)
+                arena = self._slot_arena()  # NOTE [ One copy for a numpy collate_fn ]
+                if arena is not None:
+                    with arena:
+                        batch = self.collate_fn(samples)
+                else:
+                    batch = self.collate_fn(samples)
             del samples
             stage = self._enter(LAYING_OUT, idx)
-            plan = layout.plan_batch(batch)
+            plan = layout.plan_batch(batch, arena)
             stage = self._enter(AWAITING_SLOT, idx)
-            grant = self._next_grant(idx)
+            grant = self._next_grant(idx)  # the grant the arena was made in, if any
             slot, generation, capacity, hint = grant
             segment = self.segments[slot][1] if capacity else None
             stage = self._enter(WRITING, idx)
             grown = None
             if segment is None or plan.total_bytes > segment.size:
+                if arena is not None:  # a new segment gets every byte: nothing is in place there
+                    plan = layout.plan_batch(batch)
                 current = segment.size if segment is not None else 0
                 wanted = slot_capacity(plan.total_bytes, current, hint)
                 grown = create_segment(
@@ -419,8 +439,14 @@ class _Worker:
                 segment = None  # not ours to release
                 raise SlotProtocolError(f"worker {spec.worker_id} found slot {slot} in state {found}, not FREE")
             layout.write_batch(segment, plan)
-            segment.publish(len(plan.descriptor), plan.total_bytes)
+            published = (len(plan.descriptor), plan.total_bytes, plan.descriptor_offset)
             del batch, plan
+            if arena is not None:
+                kept, arena = arena.release(), None
+                if kept and grown is None:  # the collate_fn keeps arrays that live in this slot
+                    segment, generation = self._move_batch(segment, slot, generation, published[1], idx)
+                    grown = segment
+            segment.publish(*published)
             grant = None  # handed back with the result
             if grown is not None:
                 self.channel.send(("ready", epoch, idx, slot, generation, segment.size), (grown.fd,))
@@ -436,6 +462,34 @@ class _Worker:
                     segment.release()
                 self.grants.appendleft(grant)
             self.channel.send(("error", epoch, idx, stage, exception_payload(exc)))
+        finally:
+            if arena is not None:
+                arena.release()
+
+    def _slot_arena(self):
+        """A SlotArena over the slot this worker's next batch will be written into, if it has
+        one in hand already created (NOTE [ One copy for a numpy collate_fn ])."""
+        if not self.grants or os.environ.get("SHMLOADER_SLOT_ARENA", "1") == "0":
+            return None
+        slot, _generation, capacity, _hint = self.grants[0]
+        if not capacity:
+            return None
+        from ._ring import SlotArena
+
+        return SlotArena(self.segments[slot][1], layout.HEADER_BYTES, ARENA_MIN_BYTES)
+
+    def _move_batch(self, kept, slot: int, generation: int, end: int, idx: int):
+        """The collate_fn kept arrays born in slot `slot` (a cache): leave that segment to them
+        and move the batch, bytes as they are, into a new segment for the slot (generation + 1),
+        which the main process adopts as it adopts a grown one."""
+        moved = create_segment(kept.size, generation + 1,
+                               f"slot {slot} of the ring ({self.spec.ring_depth} slots)")
+        if moved.claim(self.spec.worker_id, idx) != layout._ring.FREE:
+            raise SlotProtocolError(f"worker {self.spec.worker_id} could not claim a new segment")
+        moved.copy_from_address(layout.HEADER_BYTES, kept.address + layout.HEADER_BYTES,
+                                end - layout.HEADER_BYTES)
+        kept.release()
+        return moved, generation + 1
 
 
 class _Stopped(Exception):
