@@ -1,14 +1,14 @@
 """How a batch sits in a slot, and how it comes back out as zero-copy views.
 
-    0            HEADER_BYTES                 payload_base = align64(HEADER + len(descriptor))
-    | header     | descriptor: pickle of the   | array leaves, each at a 64-byte-aligned offset
-    | (ring.h)   | batch with leaves left out  | relative to payload_base
-                   (persistent ids)
+    0            HEADER_BYTES                                    descriptor_offset       payload_end
+    | header     | array leaves, each at a 64-byte-aligned offset | descriptor: pickle of the |
+    | (ring.h)   | (absolute: from the segment's start)           | batch, leaves left out    |
 
 A batch is any picklable structure.  Its array leaves (numpy arrays, CPU torch tensors, and the
 stacked leaves of the default collate) are taken out of the pickle with `persistent_id`: the
 descriptor records (kind, offset, dtype, shape) for each and the bytes go to their aligned place
-in the slot.  Everything else (containers, str, None, numbers) stays in the small descriptor.  The
+in the slot; arrays a numpy collate_fn allocated in the slot itself (NOTE [ One copy for a numpy
+collate_fn ] in worker.py) are described where they are, not copied.  Everything else (containers, str, None, numbers) stays in the small descriptor.  The
 main process unpickles the descriptor with `persistent_load` returning views onto the slot, so
 any container type (dict, OrderedDict, namedtuple, dataclass) comes back as it was built.
 
@@ -255,10 +255,30 @@ class _Planner(pickle.Pickler):
     Everything else is pickled at the protocol torch's workers use (what a numpy array pickled
     whole comes back as depends on it)."""
 
-    def __init__(self, file):
+    def __init__(self, file, start: int, arena=None):
         super().__init__(file, protocol=pickle.DEFAULT_PROTOCOL)
         self.leaves: list[tuple[int, object]] = []
-        self.end = 0
+        self.end = start
+        self.arena = arena
+        # leaves described where they are: id -> (offset, end, the array, kept so ids stay unique)
+        self.in_place: dict[int, tuple[int, int, np.ndarray]] = {}
+
+    def _in_slot(self, array: np.ndarray) -> int | None:
+        """The slot offset of a contiguous array born in the arena, unless another array
+        described in place shares bytes with it (torch would deliver separate copies: the
+        copy path does too).  The same array met twice keeps its offset."""
+        if self.arena is None or array.nbytes == 0 or not (array.flags.c_contiguous or array.flags.f_contiguous):
+            return None
+        if id(array) in self.in_place:
+            return self.in_place[id(array)][0]
+        offset = self.arena.offset_of(array.__array_interface__["data"][0], array.nbytes)
+        if offset is None or offset % ALIGN:
+            return None
+        end = offset + array.nbytes
+        if any(offset < other_end and other_start < end for other_start, other_end, _ in self.in_place.values()):
+            return None
+        self.in_place[id(array)] = (offset, end, array)
+        return offset
 
     def _place(self, nbytes: int, leaf) -> int:
         offset = self.end
@@ -299,7 +319,10 @@ class _Planner(pickle.Pickler):
                 contiguous = obj.flags.c_contiguous or obj.flags.f_contiguous
                 obj = _byte_order_as_unpickled(obj, "contiguous" if contiguous else "strided")
             order = "F" if obj.flags.f_contiguous and not obj.flags.c_contiguous else "C"
-            return ("n", self._place(obj.nbytes, obj), obj.dtype, obj.shape, order)
+            offset = self._in_slot(obj)
+            if offset is None:
+                offset = self._place(obj.nbytes, obj)
+            return ("n", offset, obj.dtype, obj.shape, order)
         kind = type(obj)
         if kind is torch.storage.TypedStorage or kind is torch.UntypedStorage:
             return self._storage(obj)
@@ -336,15 +359,18 @@ class _Planner(pickle.Pickler):
 @dataclass
 class BatchPlan:
     descriptor: bytes
-    leaves: list[tuple[int, object]]
-    payload_base: int
-    total_bytes: int
+    leaves: list[tuple[int, object]]  # (slot offset, leaf) of the leaves to copy
+    descriptor_offset: int
+    total_bytes: int  # the payload's end: the descriptor's last byte + 1
+    in_place_bytes: int = 0  # array bytes already in the slot (born in the arena), not copied
 
 
-def plan_batch(structure) -> BatchPlan:
-    """Lay out `structure`; raises LayoutError / BatchShapeError naming the offending leaf's path."""
+def plan_batch(structure, arena=None) -> BatchPlan:
+    """Lay out `structure` (leaves born in `arena`, a SlotArena over the slot it will be written
+    to, stay where they are; the rest go after the arena's blocks); raises LayoutError /
+    BatchShapeError naming the offending leaf's path."""
     buffer = io.BytesIO()
-    planner = _Planner(buffer)
+    planner = _Planner(buffer, align(max(HEADER_BYTES, arena.used_end if arena is not None else 0)), arena)
     try:
         planner.dump(structure)
     except _Unsupported as exc:
@@ -358,8 +384,9 @@ def plan_batch(structure) -> BatchPlan:
     except (pickle.PicklingError, TypeError, AttributeError) as exc:
         raise _pickling_error(structure, exc) from exc
     descriptor = buffer.getvalue()
-    payload_base = align(HEADER_BYTES + len(descriptor))
-    return BatchPlan(descriptor, planner.leaves, payload_base, payload_base + planner.end)
+    descriptor_offset = align(planner.end)
+    in_place = sum(end - offset for offset, end, _ in planner.in_place.values())
+    return BatchPlan(descriptor, planner.leaves, descriptor_offset, descriptor_offset + len(descriptor), in_place)
 
 
 def _pickling_error(structure, exc: Exception) -> LayoutError:
@@ -403,39 +430,37 @@ def _copy_tensor(segment: _ring.Segment, offset: int, tensor: torch.Tensor) -> N
 
 
 def write_batch(segment: _ring.Segment, plan: BatchPlan) -> None:
-    """Copy the descriptor and every leaf into a slot the caller has claimed."""
-    segment.write(HEADER_BYTES, plan.descriptor)
-    base = plan.payload_base
+    """Copy every leaf (but those already in place) and the descriptor into a slot the caller
+    has claimed."""
     for offset, leaf in plan.leaves:
         if type(leaf) is StackedLeaf:
             row_bytes = leaf.row_nbytes
             for i, row in enumerate(leaf.rows):
-                at = base + offset + i * row_bytes
+                at = offset + i * row_bytes
                 if isinstance(row, np.ndarray):
                     _copy_numpy(segment, at, row, c_order=True)
                 else:
                     _copy_tensor(segment, at, row.resolve_conj().resolve_neg())
         elif isinstance(leaf, np.ndarray):
-            _copy_numpy(segment, base + offset, leaf, c_order=False)
+            _copy_numpy(segment, offset, leaf, c_order=False)
         else:
-            _copy_tensor(segment, base + offset, leaf)
+            _copy_tensor(segment, offset, leaf)
+    segment.write(plan.descriptor_offset, plan.descriptor)
 
 
 class _SlotUnpickler(pickle.Unpickler):
-    def __init__(self, descriptor: bytes, lease: _ring.SlotLease, payload_base: int, payload_end: int):
+    def __init__(self, descriptor: bytes, lease: _ring.SlotLease, payload_end: int):
         super().__init__(io.BytesIO(descriptor))
         self.lease = lease
-        self.payload_base = payload_base
         self.payload_end = payload_end
 
     def _start(self, offset: int, nbytes: int) -> int:
-        start = self.payload_base + offset
-        if start + nbytes > self.payload_end:
+        if offset < HEADER_BYTES or offset + nbytes > self.payload_end:
             raise SlotProtocolError(
-                f"a leaf of {nbytes} bytes at offset {start} lies past the slot's "
-                f"payload end {self.payload_end}"
+                f"a leaf of {nbytes} bytes at offset {offset} lies outside the slot's payload "
+                f"[{HEADER_BYTES}, {self.payload_end})"
             )
-        return start
+        return offset
 
     def persistent_load(self, pid):
         kind = pid[0]
@@ -490,8 +515,7 @@ class _SlotUnpickler(pickle.Unpickler):
 
 def read_batch(lease: _ring.SlotLease, descriptor: bytes, payload_end: int):
     """Rebuild the batch from its descriptor, every array leaf a view that keeps `lease` alive."""
-    payload_base = align(HEADER_BYTES + len(descriptor))
-    batch = _SlotUnpickler(descriptor, lease, payload_base, payload_end).load()
+    batch = _SlotUnpickler(descriptor, lease, payload_end).load()
     if torch._utils._sparse_tensors_to_validate:
         # torch's unpickling of a sparse tensor parks it in a module-level list until validated
         # (torch.load does it); left there it would hold this slot's lease forever.

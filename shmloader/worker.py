@@ -11,7 +11,7 @@ One worker's loop (NOTE [ Slot lifecycle ] in ring.py has the slot's side):
                  wait for a "grant" message if none is in hand); a slot too small is replaced by
                  a larger segment that this worker creates (its fd travels back with the result)
       → write    claim s, copy (GIL released, in C), publish s
-    send ("ready", epoch, n, s, generation, capacity)
+    send ("ready", epoch, n, s, generation, capacity, bytes not copied)
 
 Seeding, `get_worker_info()` and the fetchers are torch's own, so datasets that shard themselves
 or draw random numbers behave exactly as under torch's DataLoader.
@@ -50,9 +50,10 @@ COLLATE_CONVERT = "convert"  # collate_fn is torch's default_convert (batch_size
 COLLATE_CUSTOM = "custom"  # the user's collate_fn, output copied once (or born in the slot)
 
 # NOTE [ One copy for a numpy collate_fn ]
-#   While the user's collate_fn runs, numpy's data allocator hands out allocations of at least
-#   ARENA_MIN_BYTES from the slot this worker's batch will go to (csrc/arena.h, when the worker
-#   holds an already created grant), so np.stack / np.concatenate / np.empty-then-fill build the
+#   With a custom collate_fn the worker takes its slot grant before collating (it would wait
+#   for it right after anyway), and while the collate_fn runs numpy's data allocator hands out
+#   allocations of at least ARENA_MIN_BYTES from that slot (csrc/arena.h; a slot with no segment
+#   yet gets one first, at the ring's learnt size), so np.stack / np.concatenate / np.empty-then-fill build the
 #   batch's arrays in the slot itself; the layout describes such leaves where they are instead
 #   of copying them.  Smaller allocations, torch tensors and everything made outside the call
 #   come from the heap and are copied once, as before.  If the collate_fn keeps an array born in
@@ -383,7 +384,7 @@ class _Worker:
         stage = STAGES[IDLE]
         grant = None
         segment = None
-        arena = None
+        arena = fresh = None
         try:
             if self.init_error is not None:
                 stage, payload = self.init_error
@@ -403,13 +404,16 @@ class _Worker:
                 self.ended = True
                 self.channel.send(("end", epoch, idx))
                 return
+            if spec.collate_mode == COLLATE_CUSTOM:  # NOTE [ One copy for a numpy collate_fn ]
+                stage = self._enter(AWAITING_SLOT, idx)
+                grant = self._next_grant(idx)
+                arena, fresh = self._slot_arena(grant)
             stage = self._enter(COLLATING, idx)
             if spec.collate_mode == COLLATE_INTO_SLOT:
                 batch = layout.collate_into_slot(samples)
             elif spec.collate_mode == COLLATE_CONVERT:
                 batch = torch_collate.default_convert(samples)
             else:
-                arena = self._slot_arena()  # NOTE [ One copy for a numpy collate_fn ]
                 if arena is not None:
                     with arena:
                         batch = self.collate_fn(samples)
@@ -418,42 +422,49 @@ class _Worker:
             del samples
             stage = self._enter(LAYING_OUT, idx)
             plan = layout.plan_batch(batch, arena)
-            stage = self._enter(AWAITING_SLOT, idx)
-            grant = self._next_grant(idx)  # the grant the arena was made in, if any
-            slot, generation, capacity, hint = grant
+            if grant is None:
+                stage = self._enter(AWAITING_SLOT, idx)
+                grant = self._next_grant(idx)
+            slot, granted, capacity, hint = grant
+            generation = granted  # a segment this worker makes for the slot is granted + 1
             segment = self.segments[slot][1] if capacity else None
             stage = self._enter(WRITING, idx)
             grown = None
+            in_arena = arena is not None  # the batch goes to the segment its arena lies in
+            if fresh is not None:  # the slot's segment, made before the collate for the arena
+                segment, grown, generation, fresh = fresh, fresh, granted + 1, None
             if segment is None or plan.total_bytes > segment.size:
-                if arena is not None:  # a new segment gets every byte: nothing is in place there
+                if in_arena:  # a new segment gets every byte: nothing is in place there
                     plan = layout.plan_batch(batch)
+                    in_arena = False
                 current = segment.size if segment is not None else 0
                 wanted = slot_capacity(plan.total_bytes, current, hint)
                 grown = create_segment(
-                    wanted, generation + 1,
+                    wanted, granted + 1,
                     f"slot {slot} of the ring ({spec.ring_depth} slots)",
                 )
-                segment, generation = grown, generation + 1
+                segment, generation = grown, granted + 1
             found = segment.claim(spec.worker_id, idx)
             if found != layout._ring.FREE:
                 segment = None  # not ours to release
                 raise SlotProtocolError(f"worker {spec.worker_id} found slot {slot} in state {found}, not FREE")
             layout.write_batch(segment, plan)
             published = (len(plan.descriptor), plan.total_bytes, plan.descriptor_offset)
+            in_place = plan.in_place_bytes
             del batch, plan
             if arena is not None:
                 kept, arena = arena.release(), None
-                if kept and grown is None:  # the collate_fn keeps arrays that live in this slot
-                    segment, generation = self._move_batch(segment, slot, generation, published[1], idx)
-                    grown = segment
+                if kept and in_arena:  # the collate_fn keeps arrays that live in this segment
+                    segment = grown = self._move_batch(segment, slot, granted, published[1], idx)
+                    generation, in_place = granted + 1, 0
             segment.publish(*published)
             grant = None  # handed back with the result
             if grown is not None:
-                self.channel.send(("ready", epoch, idx, slot, generation, segment.size), (grown.fd,))
+                self.channel.send(("ready", epoch, idx, slot, generation, segment.size, in_place), (grown.fd,))
                 grown.close_fd()
                 self.segments[slot] = (generation, grown)  # known to the main process only now
             else:
-                self.channel.send(("ready", epoch, idx, slot, generation, segment.size))
+                self.channel.send(("ready", epoch, idx, slot, generation, segment.size, in_place))
         except (ChannelClosed, BrokenPipeError, ConnectionResetError, _Stopped):
             raise
         except Exception as exc:
@@ -466,22 +477,29 @@ class _Worker:
             if arena is not None:
                 arena.release()
 
-    def _slot_arena(self):
-        """A SlotArena over the slot this worker's next batch will be written into, if it has
-        one in hand already created (NOTE [ One copy for a numpy collate_fn ])."""
-        if not self.grants or os.environ.get("SHMLOADER_SLOT_ARENA", "1") == "0":
-            return None
-        slot, _generation, capacity, _hint = self.grants[0]
-        if not capacity:
-            return None
+    def _slot_arena(self, grant: tuple[int, int, int, int]):
+        """(a SlotArena over the granted slot, the new segment made for it if the slot had none
+        yet), or (None, None) before the ring knows its slot size or when turned off
+        (NOTE [ One copy for a numpy collate_fn ])."""
+        if os.environ.get("SHMLOADER_SLOT_ARENA", "1") == "0":
+            return None, None
         from ._ring import SlotArena
 
-        return SlotArena(self.segments[slot][1], layout.HEADER_BYTES, ARENA_MIN_BYTES)
+        slot, generation, capacity, hint = grant
+        fresh = None
+        if capacity:
+            segment = self.segments[slot][1]
+        elif hint:  # a new or detached slot: create it now, at the size the ring has learnt
+            segment = fresh = create_segment(hint, generation + 1,
+                                             f"slot {slot} of the ring ({self.spec.ring_depth} slots)")
+        else:
+            return None, None
+        return SlotArena(segment, layout.HEADER_BYTES, ARENA_MIN_BYTES), fresh
 
     def _move_batch(self, kept, slot: int, generation: int, end: int, idx: int):
-        """The collate_fn kept arrays born in slot `slot` (a cache): leave that segment to them
-        and move the batch, bytes as they are, into a new segment for the slot (generation + 1),
-        which the main process adopts as it adopts a grown one."""
+        """The collate_fn kept arrays born in `kept` (a cache): leave that segment to them and
+        move the batch, bytes as they are, into a new segment for slot `slot` (the granted
+        generation + 1), which the main process adopts as it adopts a grown one."""
         moved = create_segment(kept.size, generation + 1,
                                f"slot {slot} of the ring ({self.spec.ring_depth} slots)")
         if moved.claim(self.spec.worker_id, idx) != layout._ring.FREE:
@@ -489,7 +507,7 @@ class _Worker:
         moved.copy_from_address(layout.HEADER_BYTES, kept.address + layout.HEADER_BYTES,
                                 end - layout.HEADER_BYTES)
         kept.release()
-        return moved, generation + 1
+        return moved
 
 
 class _Stopped(Exception):

@@ -184,7 +184,7 @@ def through_slot(batch, collated: bool = False):
     segment = create_segment(plan.total_bytes, 0)
     assert segment.claim(0, 0) == _ring.FREE
     layout.write_batch(segment, plan)
-    segment.publish(len(plan.descriptor), plan.total_bytes)
+    segment.publish(len(plan.descriptor), plan.total_bytes, plan.descriptor_offset)
     lease = _ring.SlotLease(segment, 0, 0, 0, None)
     return layout.read_batch(lease, plan.descriptor, plan.total_bytes)
 

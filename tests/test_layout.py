@@ -38,12 +38,12 @@ def _write(structure, sequence: int = 7):
     segment = create_segment(plan.total_bytes, 0)
     assert segment.claim(0, sequence) == FREE
     layout.write_batch(segment, plan)
-    segment.publish(len(plan.descriptor), plan.total_bytes)
+    segment.publish(len(plan.descriptor), plan.total_bytes, plan.descriptor_offset)
     assert segment.acquire() == READY
     segment.close_fd()
     released: list = []
     lease = SlotLease(segment, 3, 0, sequence, released.append)
-    descriptor = segment.read(HEADER_BYTES, len(plan.descriptor))
+    descriptor = segment.read(plan.descriptor_offset, len(plan.descriptor))
     return layout.read_batch(lease, descriptor, plan.total_bytes), released, segment
 
 
@@ -210,6 +210,8 @@ def test_a_leaf_past_the_payload_end_is_refused():
     segment = create_segment(plan.total_bytes, 0)
     layout.write_batch(segment, plan)
     lease = SlotLease(segment, 0, 0, 0, None)
-    with pytest.raises(SlotProtocolError, match="payload end"):
-        layout.read_batch(lease, segment.read(HEADER_BYTES, len(plan.descriptor)), plan.total_bytes - 64)
+    with pytest.raises(SlotProtocolError, match="lies outside the slot's payload"):
+        # the leaf is the payload's first 8000 bytes: end the payload 8 bytes short of it
+        layout.read_batch(lease, segment.read(plan.descriptor_offset, len(plan.descriptor)),
+                          HEADER_BYTES + 8000 - 8)
     del lease, segment

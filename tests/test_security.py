@@ -26,7 +26,7 @@ from shmloader.worker import _Worker
 pytestmark = [pytest.mark.usefixtures("no_leaks"), pytest.mark.timeout(30)]
 
 # Offsets in shm_slot_header (csrc/ring.h).
-MAGIC_AT, VERSION_AT, DESC_BYTES_AT, PAYLOAD_END_AT = 0, 8, 48, 56
+MAGIC_AT, VERSION_AT, DESC_BYTES_AT, PAYLOAD_END_AT, DESC_OFFSET_AT = 0, 8, 48, 56, 64
 
 
 class _Recorder:
@@ -140,7 +140,7 @@ def ready_slot(no_leaks):
     plan = layout.plan_batch({"x": np.arange(10, dtype=np.int64)})
     assert segment.claim(0, 0) == _ring.FREE
     layout.write_batch(segment, plan)
-    segment.publish(len(plan.descriptor), plan.total_bytes)
+    segment.publish(len(plan.descriptor), plan.total_bytes, plan.descriptor_offset)
     # pytest keeps a fixture's value until after every teardown: hand out a holder that is
     # emptied here, so that no_leaks sees the segment unmapped.
     holder = [ring, slot, segment]
@@ -159,9 +159,11 @@ def test_main_reads_an_honest_slot(ready_slot):
 
 @pytest.mark.parametrize("field, value, words", [
     (MAGIC_AT, struct.pack("<Q", 0x1234), "magic 0x1234 .*foreign or stale"),
-    (VERSION_AT, struct.pack("<I", 2), "version 2; expected .* version 1"),
+    (VERSION_AT, struct.pack("<I", 1), "version 1; expected .* version 2"),
     (DESC_BYTES_AT, struct.pack("<Q", 2**40), "lie outside"),
     (PAYLOAD_END_AT, struct.pack("<Q", 2**40), "lie outside"),
+    (DESC_OFFSET_AT, struct.pack("<Q", 2**40), "lie outside"),
+    (DESC_OFFSET_AT, struct.pack("<Q", 8), "lie outside"),  # inside the header
 ])
 def test_main_refuses_a_corrupt_header(ready_slot, field, value, words):
     ring, slot, segment = ready_slot
@@ -173,6 +175,6 @@ def test_main_refuses_a_corrupt_header(ready_slot, field, value, words):
 def test_main_refuses_a_leaf_past_the_payload(ready_slot):
     ring, slot, _ = ready_slot
     lease, descriptor, end = ring.lease(slot, 0, ring.release_callback())
-    with pytest.raises(SlotProtocolError, match="past the slot's payload end"):
+    with pytest.raises(SlotProtocolError, match="lies outside the slot's payload"):
         # The int64[10] leaf is the payload's first 80 bytes: end the payload 8 bytes short of it.
-        layout.read_batch(lease, descriptor, layout.align(layout.HEADER_BYTES + len(descriptor)) + 72)
+        layout.read_batch(lease, descriptor, layout.HEADER_BYTES + 72)

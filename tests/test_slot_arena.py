@@ -1,0 +1,200 @@
+"""A numpy collate_fn's arrays are born in the slot (NOTE [ One copy for a numpy collate_fn ] in
+shmloader/worker.py, csrc/arena.h): the batches are still torch's, bit for bit; arrays the
+collate_fn keeps never share bytes with a slot that is written again; anything the arena cannot
+serve (small, too large, odd dtypes, other threads) takes the copy path."""
+
+from __future__ import annotations
+
+import copy
+import gc
+
+import numpy as np
+import pytest
+from numpy._core.multiarray import get_handler_name
+from torch.utils.data import DataLoader, Dataset
+
+from shmloader import ShmDataLoader, layout
+from shmloader._ring import SlotArena
+from shmloader.ring import create_segment
+
+from ._helpers import assert_same_batches
+
+pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("no_leaks")]
+
+ROW = 64 * 1024  # bytes per sample: batches are well above the arena's threshold
+
+
+class Rows(Dataset):
+    def __init__(self, n: int = 48, row: int = ROW, dtype=np.float32):
+        self.n, self.count, self.dtype = n, row // np.dtype(dtype).itemsize, np.dtype(dtype)
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        assert get_handler_name() == "default_allocator", "the arena leaked out of the collate_fn"
+        return (np.arange(self.count) % 251 + i).astype(self.dtype)
+
+
+def stack(samples):
+    return np.stack(samples)
+
+
+def concat_dict(samples):
+    return {"x": np.concatenate(samples), "y": np.stack([s[:3] for s in samples]),
+            "ids": np.arange(len(samples))}
+
+
+def fill(samples):
+    out = np.empty((len(samples), *samples[0].shape), samples[0].dtype)
+    for i, s in enumerate(samples):
+        out[i] = s
+    return out
+
+
+def views(samples):
+    whole = np.stack(samples)
+    return whole, whole[1:], whole.T  # one in place, the others copied (torch gives three copies)
+
+
+def _both(dataset, collate_fn, hold: bool = False, **kwargs):
+    """(shmloader's batches, torch's batches, shmloader's stats).  A training loop drops each
+    batch (its slot is reused): copies are compared; `hold` keeps the batches themselves."""
+    kwargs.setdefault("batch_size", 4)
+    kwargs.setdefault("num_workers", 2)
+    keep = (lambda b: b) if hold else copy.deepcopy
+    loader = ShmDataLoader(dataset, collate_fn=collate_fn, **kwargs)
+    shm = [keep(b) for b in loader]
+    ref = [b for b in DataLoader(dataset, collate_fn=collate_fn, **kwargs)]
+    return shm, ref, loader.stats()
+
+
+@pytest.mark.parametrize("hold", [False, True])
+@pytest.mark.parametrize("collate_fn", [stack, concat_dict, fill, views])
+def test_numpy_collates_give_torchs_batches(collate_fn, hold):
+    shm, ref, stats = _both(Rows(), collate_fn, hold=hold, persistent_workers=True)
+    assert_same_batches(shm, ref)
+    # all but each worker's first batch or two (no created slot in hand yet) are built in place
+    assert stats.in_place_bytes >= (len(shm) - 4) * 4 * ROW, stats
+    del shm
+
+
+@pytest.mark.parametrize("dtype", [np.bool_, np.int8, np.complex128, np.dtype(">f8"),
+                                   np.dtype([("a", "<i4"), ("b", "<f2")])])
+def test_odd_dtypes(dtype):
+    shm, ref, _ = _both(Rows(n=24, dtype=dtype), stack)
+    assert_same_batches(shm, ref)
+    del shm
+
+
+class KeepsItsOutput:
+    """A collate_fn that caches every batch it returns and checks, at each call, that none of
+    them changed: a slot written again under a kept array would fail it."""
+
+    def __init__(self):
+        self.kept = []
+
+    def __call__(self, samples):
+        for batch, copy in self.kept:
+            if not np.array_equal(batch, copy):
+                raise AssertionError("a batch the collate_fn kept was overwritten")
+        batch = np.stack(samples)
+        self.kept.append((batch, batch.copy()))
+        return batch
+
+
+def test_arrays_the_collate_keeps_are_never_overwritten():
+    shm, ref, stats = _both(Rows(n=96), KeepsItsOutput(), prefetch_factor=2)
+    assert_same_batches(shm, ref)
+    assert stats.in_place_bytes == 0 and stats.slot_grows > 0, stats  # every batch moved
+    del shm
+
+
+class GrowingRows(Rows):
+    def __getitem__(self, i):
+        return np.full(self.count * (1 + i // 8), i, dtype=np.float32)
+
+
+def pad_stack(samples):
+    width = max(len(s) for s in samples)
+    out = np.zeros((len(samples), width), np.float32)
+    for i, s in enumerate(samples):
+        out[i, : len(s)] = s
+    return out
+
+
+def test_batches_larger_than_their_slot_fall_back_to_the_copy_path():
+    shm, ref, _ = _both(GrowingRows(n=40), pad_stack)
+    assert_same_batches(shm, ref)
+    del shm
+
+
+def test_turned_off_by_the_environment(monkeypatch):
+    monkeypatch.setenv("SHMLOADER_SLOT_ARENA", "0")
+    shm, ref, stats = _both(Rows(n=16), stack)
+    assert_same_batches(shm, ref)
+    assert stats.in_place_bytes == 0
+    del shm
+
+
+def test_a_collate_error_restores_numpys_allocator():
+    def failing(samples, calls=[]):  # noqa: B006 - counts calls in this worker
+        calls.append(1)
+        if len(calls) == 2:
+            raise ValueError("collate failed")
+        return np.stack(samples)
+
+    loader = ShmDataLoader(Rows(n=16), batch_size=2, num_workers=1, collate_fn=failing,
+                           multiprocessing_context="fork")
+    got = []
+    it = iter(loader)
+    with pytest.raises(ValueError, match="collate failed"):
+        while True:
+            got.append(next(it))
+    got.extend(it)  # the epoch goes on; Rows asserts the allocator is numpy's again
+    assert len(got) == 7
+    del it, got
+
+
+# -- the layout's side, without a loader --------------------------------------------------------------
+
+
+def test_leaves_born_in_the_arena_are_described_not_copied():
+    segment = create_segment(1 << 22, 0)
+    samples = [np.full(ROW // 4, i, np.float32) for i in range(8)]
+    arena = SlotArena(segment, layout.HEADER_BYTES, 16 * 1024)
+    with arena:
+        batch = {"x": np.stack(samples), "small": np.arange(3), "again": None}
+    batch["again"] = batch["x"]  # the same array twice: both described at its one place
+    plan = layout.plan_batch(batch, arena)
+    copied = [leaf for _offset, leaf in plan.leaves]
+    assert len(copied) == 1 and copied[0] is batch["small"]  # the stacked array is not copied
+    assert plan.descriptor_offset >= arena.used_end
+    assert segment.claim(0, 0) == 0
+    layout.write_batch(segment, plan)
+    segment.publish(len(plan.descriptor), plan.total_bytes, plan.descriptor_offset)
+    want = {k: v.copy() for k, v in batch.items() if v is not None}
+    del batch, plan
+    assert arena.release() == 0  # nothing kept: the slot is the batch's alone
+    from shmloader._ring import SlotLease
+
+    lease = SlotLease(segment, 0, 0, 0, None)
+    descriptor = segment.read(segment.header()[9], segment.header()[7])
+    got = layout.read_batch(lease, descriptor, segment.header()[8])
+    np.testing.assert_array_equal(got["x"], want["x"])
+    np.testing.assert_array_equal(got["small"], want["small"])
+    assert np.shares_memory(got["again"], got["x"])  # views of the same bytes, as in the slot
+    del got, lease, segment
+    gc.collect()
+
+
+def test_a_kept_block_keeps_its_segment_mapped():
+    segment = create_segment(1 << 20, 0)
+    arena = SlotArena(segment, layout.HEADER_BYTES, 1024)
+    with arena:
+        kept = np.full(10_000, 7.0)
+    assert arena.release() == 1
+    del segment
+    gc.collect()
+    assert kept.sum() == 70_000.0  # still mapped: the arena holds the segment until kept goes
+    del kept
