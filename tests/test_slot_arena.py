@@ -95,8 +95,8 @@ class KeepsItsOutput:
         self.kept = []
 
     def __call__(self, samples):
-        for batch, copy in self.kept:
-            if not np.array_equal(batch, copy):
+        for batch, snapshot in self.kept:
+            if not np.array_equal(batch, snapshot):
                 raise AssertionError("a batch the collate_fn kept was overwritten")
         batch = np.stack(samples)
         self.kept.append((batch, batch.copy()))
