@@ -259,3 +259,17 @@ def test_an_unclosed_ring_warns():
         del ring
         gc.collect()
     assert any(issubclass(w.category, ResourceWarning) for w in caught)
+
+
+def test_a_refused_slot_leaves_no_trace():
+    """The old Ring._add_slot registered a slot before its capacity check, so a refusal left a
+    phantom slot behind.  Now the ring never adds indices: a refusal changes nothing."""
+    ring = Ring(2, max_slots=2)
+    leases = _lease_all(ring, 2)
+    before = (ring.depth, list(ring._free), list(ring._states), ring.stats())
+    for _ in range(3):
+        with pytest.raises(RingFullError):
+            ring.take_free_slot()
+    assert (ring.depth, list(ring._free), list(ring._states), ring.stats()) == before
+    del leases
+    ring.close()
