@@ -2,11 +2,12 @@
 bottleneck?
 
 With no flags it runs the project's main job: seed001 (the forum experiment, large items) at 0, 2,
-4 and 8 workers through torch as posted, torch with default_collate, and shmloader with both
-collates, and prints seconds per batch side by side with the work bound. Other workloads::
+4 and 8 workers through torch as posted, torch with default_collate, shmloader with both collates
+and SPDL's shared-memory arena (posted collate; where spdl is installed), three repeats each, and
+prints seconds per batch (median [min-max]) side by side with the work bound. Other workloads::
 
     python -m bench --workload transport --sizes 1M,64M,256M --repeats 3
-    python -m bench --workload all           # every workload at its defaults (~10 min on 2 cores)
+    python -m bench --workload all           # every workload at its defaults (the longest run)
     python -m bench --quick                  # CI: a little of everything, under a minute
 
 Transports run interleaved (A B C A B C ...) within each point, so drift hits all alike.
@@ -25,7 +26,7 @@ import warnings
 
 from . import report, stats
 from .measure import MemWatch, run_once, seed_costs, wait_quiet
-from .transports import all_transports, cores, shmloader_status
+from .transports import all_transports, cores, shmloader_status, skip_reason
 from .workloads import (
     DEFAULT_SIZES,
     WORKLOADS,
@@ -38,8 +39,10 @@ from .workloads import (
 )
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-SEED_TRANSPORTS = ("torch-pickle", "torch-shm", "shmloader-np", "shmloader")
-OTHER_TRANSPORTS = ("torch-pickle", "torch-shm", "shmloader", "memcpy", "memcpy-*")
+SEED_TRANSPORTS = ("torch-pickle", "torch-shm", "shmloader-np", "shmloader", "spdl-arena")
+OTHER_TRANSPORTS = ("torch-pickle", "torch-shm", "torch-pickle-np", "shmloader",
+                    "shmloader-np-stack", "spdl-arena", "memcpy", "memcpy-*")
+MAIN_REPEATS = 3  # runs per cell (main job too): median [min-max] of three interleaved runs
 
 
 def _ints(text: str) -> list[int]:
@@ -71,10 +74,11 @@ def build_parser() -> argparse.ArgumentParser:
                     help="transport/vision consumers: touch (one element per leaf), read (every "
                          "byte) (default both)")
     ap.add_argument("--transports", default=None,
-                    help="comma list of torch-pickle, torch-shm, shmloader, shmloader-np, memcpy, "
-                         "memcpy-Nc (default: all that apply)")
+                    help="comma list of torch-pickle, torch-shm, torch-pickle-np, shmloader, "
+                         "shmloader-np, shmloader-np-stack, spdl-arena, memcpy, memcpy-Nc "
+                         "(default: all that apply)")
     ap.add_argument("--repeats", type=int, default=None,
-                    help="runs per transport and point (default 3; main job 1)")
+                    help=f"runs per transport and point (default {MAIN_REPEATS}; --quick 1)")
     ap.add_argument("--batches", type=int, default=None, help="timed batches per run (override)")
     ap.add_argument("--warmup", type=int, default=None, help="untimed batches first (override)")
     ap.add_argument("--quick", action="store_true",
@@ -144,9 +148,14 @@ def plan(args) -> tuple[str, list, list[str]]:
     return name, points, names
 
 
+def default_repeats(args) -> int:
+    return args.repeats or (1 if args.quick else MAIN_REPEATS)
+
+
 def transports_for(point, names: list[str], explicit: bool = False) -> list[str]:
-    """seed001 compares the four loaders (no memcpy: the work bound is its reference); the other
-    workloads leave out shmloader-np unless it was asked for by name."""
+    """seed001 compares the loaders of SEED_TRANSPORTS (no memcpy: the work bound is its
+    reference); the other workloads leave out shmloader-np unless it was asked for by name (its
+    numpy collate there is the ``np.stack`` that shmloader-np-stack runs)."""
     if point.workload == "seed001":
         return [n for n in names if n in SEED_TRANSPORTS]
     if explicit:
@@ -188,7 +197,7 @@ class Progress:
 
 def run(args) -> dict:
     name, points, names = plan(args)
-    repeats = args.repeats or (1 if (args.workload is None or args.quick) else 3)
+    repeats = default_repeats(args)
     ok, why = shmloader_status()
     known = all_transports()
     doc: dict = {
@@ -229,8 +238,9 @@ def run(args) -> dict:
             dataset = p.dataset()  # one per point, made before any run: not in the memory figure
             for tn in tnames:
                 pdoc["transports"][tn] = {"repeats": []}
-                if known[tn].loader == "shmloader" and not ok:
-                    pdoc["transports"][tn] = {"skipped": f"shmloader not importable: {why}"}
+                why_not = skip_reason(known[tn], p)
+                if why_not:
+                    pdoc["transports"][tn] = {"skipped": why_not}
             for r in range(repeats):
                 for tn in tnames:  # interleaved: A B C A B C ...
                     tdoc = pdoc["transports"][tn]
@@ -244,6 +254,7 @@ def run(args) -> dict:
                             tdoc.setdefault("errors", []).append(f"{type(e).__name__}: {e}")
                             doc["warnings"].append(f"{p.key} {tn} run {r + 1}: {type(e).__name__}: {e}")
                         else:
+                            res["repeat"] = r  # pairs this run with the others' run r
                             if "ring" in res:
                                 tdoc["ring"] = res.pop("ring")
                             for k in ("killed_workers", "leaked_shm"):

@@ -31,7 +31,7 @@ import numpy as np
 import psutil
 import torch
 
-from .transports import Transport, close_loader, make_loader, ring_info, time_memcpy
+from .transports import Transport, close_loader, make_loader, prepare, ring_info, time_memcpy
 from .workloads import SEED_STEP_S, Point
 
 # ---------------------------------------------------------------------------------------------
@@ -39,8 +39,10 @@ from .workloads import SEED_STEP_S, Point
 
 
 def leaves(obj):
-    """The array leaves (numpy arrays, torch tensors) of a nested batch."""
-    if isinstance(obj, (np.ndarray, torch.Tensor)):
+    """The array leaves (numeric numpy arrays, torch tensors) of a nested batch. A numpy array of
+    str or objects (``np.stack`` of names) is not one: ``default_collate`` leaves names a list of
+    str, which no consumer reads either, so numpy and tensor batches are touched alike."""
+    if isinstance(obj, torch.Tensor) or (isinstance(obj, np.ndarray) and obj.dtype.kind in "biufc"):
         yield obj
     elif isinstance(obj, dict):
         for v in obj.values():
@@ -237,6 +239,7 @@ def run_loader(t: Transport, p: Point, watch: MemWatch, dataset=None) -> dict:
     """One timed run of loader transport ``t`` on point ``p``; returns the raw metrics.
     ``dataset`` (made beforehand, shared by the runs of a point) stays out of the memory figure."""
     consume = CONSUMERS[p.consumer]
+    prepare(t)
     keep = {c.pid for c in psutil.Process().children(recursive=True)}
     shm_before = shm_entries()
     gc.collect()
@@ -276,13 +279,15 @@ def run_loader(t: Transport, p: Point, watch: MemWatch, dataset=None) -> dict:
         pids |= {c.pid for c in psutil.Process().children(recursive=True)} - keep
         mem = watch.stop()
     finally:
+        owned = list(getattr(loader, "shm_names", ()))  # segments the loader names (spdl-arena)
         close_loader(loader, it)
         del it, loader
         gc.collect()
     killed = reap_children(keep)
     wall = time.perf_counter() - t0
     foreign = other_cpu_seconds(others0, other_cpu(skip))
-    leaked_shm = ours(shm_entries() - shm_before, pids)
+    after = shm_entries()
+    leaked_shm = sorted(set(ours(after - shm_before, pids)) | (set(owned) & after))
     if tb is None or ta is None:
         raise RuntimeError(f"{t.name} on {p.key}: the loader ended after {n} of {total} batches")
     s = (tb - ta) / p.batches

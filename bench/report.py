@@ -17,8 +17,8 @@ from . import stats
 from .workloads import size_label
 
 SCHEMA = "shmloader-bench/1"
-LOADERS = ("torch-pickle", "torch-shm", "shmloader-np", "shmloader")
-REFERENCES = ("torch-shm", "torch-pickle", "memcpy")
+LOADERS = ("torch-pickle", "torch-shm", "shmloader-np", "shmloader", "spdl-arena")
+REFERENCES = ("torch-shm", "torch-pickle", "torch-pickle-np", "spdl-arena", "memcpy")
 
 # ---------------------------------------------------------------------------------------------
 # the machine
@@ -184,15 +184,19 @@ def _table(rows: list[list[str]], header: list[str]) -> str:
 
 
 def point_table(points: Iterable[dict]) -> str:
-    """One row per (point, transport): medians [min-max], and the ratios to the references."""
+    """One row per (point, transport): medians [min-max], and the ratios to the references (a
+    reference's column only where some point ran it)."""
+    points = list(points)
+    refs = [r for r in REFERENCES if any(r in p["transports"] for p in points)]
     header = ["point", "transport", "s/batch", "[min-max]", "GB/s", "CPU ms/b", "TTFB s",
-              "mem MiB", "ring", "vs torch-shm", "vs torch-pickle", "of memcpy"]
+              "mem MiB", "ring", *[("of " if r == "memcpy" else "vs ") + r for r in refs]]
     rows = []
     for p in points:
         name = f"{p['label']} w{p['num_workers']} {p['consumer']}"
         for tname, t in p["transports"].items():
             if "skipped" in t:
-                rows.append([name, tname, "skipped", t["skipped"][:40], *[""] * 8])
+                rows.append([name, tname, "skipped", t["skipped"][:40], *[""] * (len(header) - 4)])
+                name = ""
                 continue
             s = t["summary"]
             r = p["ratios"].get(tname, {})
@@ -206,46 +210,86 @@ def point_table(points: Iterable[dict]) -> str:
                 _fmt_s(s.get("ttfb_s"), digits=3),
                 _fmt_s(s.get("peak_mem_bytes"), 1 / (1 << 20), 4),
                 f"{fmt_bytes(rb)} ({ring.get('ring_slots')}x)" if rb else "",
-                _fmt_ratio(r.get("torch-shm")), _fmt_ratio(r.get("torch-pickle")),
-                _fmt_ratio(r.get("memcpy"), pct=True),
+                *[_fmt_ratio(r.get(ref), pct=ref == "memcpy") if ref != tname else ""
+                  for ref in refs],
             ])
             name = ""
     return _table(rows, header)
 
 
+SEED_TITLES = {
+    "torch-pickle": "torch posted", "torch-shm": "torch default_collate",
+    "shmloader-np": "shmloader posted", "shmloader": "shmloader default_collate",
+    "spdl-arena": "SPDL arena posted",
+}
+
+# (title, numerators, denominators): per repeat, the smallest s/batch among the numerators over
+# the smallest among the denominators ("bound": the work bound)
+SEED_RATIOS = (
+    ("shmloader vs torch posted", ("torch-pickle",), ("shmloader-np",)),
+    ("vs torch default_collate", ("torch-shm",), ("shmloader",)),
+    ("shmloader / work bound", ("shmloader", "shmloader-np"), ("bound",)),
+    ("shmloader vs SPDL arena", ("spdl-arena",), ("shmloader-np",)),
+)
+
+
+def _cell(values: list[float], fmt: str, unit: str = "") -> str:
+    """``median [min-max]`` of ``values`` (just the median for one)."""
+    s = stats.summarize(values)
+    if s is None:
+        return "-"
+    out = f"{s['median']:{fmt}}{unit}"
+    if s["n"] > 1:
+        out += f" [{s['min']:{fmt}}-{s['max']:{fmt}}]"
+    return out
+
+
 def seed_table(doc: dict, items: str = "large") -> str:
-    """seed001 side by side: s/batch per num_workers for each transport, the work bound, ratios."""
+    """seed001 side by side: s/batch per num_workers for each transport and the work bound, then
+    the ratios, each as median [min-max] over the repeats."""
     pts = [p for p in doc["points"] if p["workload"] == "seed001" and p["label"] == items]
     if not pts:
         return ""
+    pts.sort(key=lambda p: p["num_workers"])
     bounds = doc.get("work_bound", {}).get("by_point", {})
     cols = [t for t in LOADERS if any(t in p["transports"] for p in pts)]
-    titles = {
-        "torch-pickle": "torch posted", "torch-shm": "torch default_collate",
-        "shmloader-np": "shmloader posted", "shmloader": "shmloader default_collate",
-    }
-    header = ["workers", *[titles[c] for c in cols], "work bound",
-              "posted: torch/shm", "default: torch/shm", "shmloader/bound"]
-    rows = []
-    for p in sorted(pts, key=lambda p: p["num_workers"]):
-        med = {}
+    rows, ratio_rows, skipped = [], [], {}
+    for p in pts:
+        runs = {c: stats.per_repeat(p["transports"].get(c, {}).get("repeats", [])) for c in cols}
         for c in cols:
-            t = p["transports"].get(c, {})
-            s = t.get("summary", {}).get("s_per_batch")
-            med[c] = s["median"] if s else None
+            why = p["transports"].get(c, {}).get("skipped")
+            if why:
+                skipped.setdefault((c, why), []).append(str(p["num_workers"]))
         bound = bounds.get(p["key"])
-        best = min((med[c] for c in ("shmloader", "shmloader-np") if med.get(c)), default=None)
-        rows.append([
-            str(p["num_workers"]),
-            *[f"{med[c]:.3f}" if med[c] else "-" for c in cols],
-            f"{bound:.3f}" if bound else "-",
-            _fmt_ratio(stats.speedup(med.get("torch-pickle"), med.get("shmloader-np"))),
-            _fmt_ratio(stats.speedup(med.get("torch-shm"), med.get("shmloader"))),
-            _fmt_ratio(best / bound if best and bound else None),
-        ])
+        rows.append([str(p["num_workers"]),
+                     *[_cell(list(runs[c].values()), ".3f") for c in cols],
+                     f"{bound:.3f}" if bound else "-"])
+        if bound:
+            runs["bound"] = {k: bound for k in stats.best_per_repeat(
+                *(runs.get(c, {}) for c in ("shmloader", "shmloader-np")))}
+        cells = []
+        for _, num, den in SEED_RATIOS:
+            a = stats.best_per_repeat(*(runs.get(c, {}) for c in num))
+            b = stats.best_per_repeat(*(runs.get(c, {}) for c in den))
+            cells.append(_cell(stats.paired_ratios(a, b), ".2f", "x"))
+        ratio_rows.append([str(p["num_workers"]), *cells])
+    n = doc["config"].get("repeats", 1)
     title = (f"seed001 ({items} items, batch 128, 0.05 s step): seconds per batch, "
-             f"median of {doc['config'].get('repeats', 1)} run(s)")
-    return title + "\n" + _table(rows, header)
+             f"median [min-max] of {n} run(s)")
+    out = [title, _table(rows, ["workers", *[SEED_TITLES.get(c, c) for c in cols],
+                                "work bound"])]
+    for (c, why), ws in skipped.items():
+        out.append(f"  {SEED_TITLES.get(c, c)} skipped at {', '.join(ws)} workers: {why}")
+    keep = [i for i, (_, num, den) in enumerate(SEED_RATIOS)
+            if any(c in cols for c in num if c != "bound") and any(c in cols or c == "bound"
+                                                                   for c in den)]
+    out += ["", f"seed001 ({items} items): ratios of s/batch, median [min-max] over the repeats, "
+            "each repeat's runs paired (they ran back to back)",
+            "('a vs b' = a's s/batch / b's: >1x = shmloader faster; posted = the posted "
+            "collate_fn; the bound: the better of shmloader's two collates / the work bound)",
+            _table([[r[0], *[r[1 + i] for i in keep]] for r in ratio_rows],
+                   ["workers", *[SEED_RATIOS[i][0] for i in keep]])]
+    return "\n".join(out)
 
 
 def format_report(doc: dict) -> str:
@@ -290,7 +334,8 @@ def ring_lines(doc: dict) -> list[str]:
 
 COLORS = {
     "torch-pickle": "tab:red", "torch-shm": "tab:orange", "shmloader": "tab:blue",
-    "shmloader-np": "tab:cyan", "memcpy": "black",
+    "shmloader-np": "tab:cyan", "memcpy": "black", "torch-pickle-np": "tab:pink",
+    "shmloader-np-stack": "tab:purple", "spdl-arena": "tab:green",
 }
 
 
@@ -309,6 +354,7 @@ SEED_LABELS = {
     "torch-shm": "torch, default_collate (shm)",
     "shmloader-np": "shmloader, posted collate",
     "shmloader": "shmloader, default_collate",
+    "spdl-arena": "SPDL arena, posted collate",
 }
 
 

@@ -58,6 +58,25 @@ def speedup(reference_s: float | None, this_s: float | None) -> float | None:
     return reference_s / this_s
 
 
+def per_repeat(runs: list[Mapping], metric: str = "s_per_batch") -> dict[int, float]:
+    """``{repeat index: value}`` of one transport's runs at one point (the index a run was
+    recorded with, else its position)."""
+    return {int(r.get("repeat", i)): float(r[metric]) for i, r in enumerate(runs)
+            if r.get(metric) is not None}
+
+
+def best_per_repeat(*sides: Mapping[int, float]) -> dict[int, float]:
+    """Per repeat, the smallest value among the transports that have one."""
+    keys = set().union(*(s.keys() for s in sides))
+    return {k: min(s[k] for s in sides if k in s) for k in keys}
+
+
+def paired_ratios(num: Mapping[int, float], den: Mapping[int, float]) -> list[float]:
+    """``num / den`` per repeat, the runs paired by repeat index: run r of every transport ran
+    back to back (interleaved), so drift hits a pair alike. Unpaired repeats are left out."""
+    return [num[k] / den[k] for k in sorted(num.keys() & den.keys()) if num[k] > 0 and den[k] > 0]
+
+
 def gbps(nbytes: int, seconds: float | None) -> float | None:
     if seconds is None or seconds <= 0:
         return None

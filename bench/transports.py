@@ -1,17 +1,32 @@
 """How batches move: the transports compared, behind one interface.
 
-=================  ===========================================================================
-``torch-pickle``   torch's DataLoader, the workload's numpy collate: batches are numpy, pickled
-                   through the result pipe (the forum post's case).
-``torch-shm``      torch's DataLoader, ``default_collate``: each batch is stacked into a fresh
-                   torch shared-memory segment whose fd is passed to the main process.
-``shmloader``      ``shmloader.ShmDataLoader``, ``default_collate``: collated into a ring slot.
-``shmloader-np``   ``shmloader.ShmDataLoader`` with the workload's numpy collate (for seed001 the
-                   posted ``collate_fn``: the list of records comes back as numpy views).
-``memcpy``         no loader: one copy of the batch's bytes between two preallocated buffers in
-                   one process, on one core: the copy that no transport can avoid.
-``memcpy-Nc``      the same copy split over N threads (N = the machine's cores).
-=================  ===========================================================================
+========================  ========================================================================
+``torch-pickle``          torch's DataLoader, the workload's numpy collate: batches are numpy,
+                          pickled through the result pipe (the forum post's case).
+``torch-shm``             torch's DataLoader, ``default_collate``: each batch is stacked into a
+                          fresh torch shared-memory segment whose fd is passed to the main
+                          process.
+``torch-pickle-np``       torch's DataLoader, ``np_stack_collate`` (``np.stack``, per key for dict
+                          samples: the numpy collate as users write it), pickled through the pipe.
+                          For ``transport``/``small`` the workload's numpy collate is the same
+                          ``np.stack``, so it runs what ``torch-pickle`` runs; it differs for
+                          ``vision`` (labels and names stacked too).
+``shmloader``             ``shmloader.ShmDataLoader``, ``default_collate``: collated into a ring
+                          slot.
+``shmloader-np``          ``shmloader.ShmDataLoader`` with the workload's numpy collate (for
+                          seed001 the posted ``collate_fn``: the list of records comes back as
+                          numpy views).
+``shmloader-np-stack``    ``shmloader.ShmDataLoader`` with ``np_stack_collate``, the same function
+                          object ``torch-pickle-np`` uses.
+``spdl-arena``            SPDL 0.8's shared-memory arena: one ``iterate_in_subprocess(...,
+                          arena=SharedMemorySegmentPool(...))`` per worker, merged in torch's
+                          order (:mod:`bench.spdl_arena`); ``np_stack_collate``, for seed001 the
+                          posted collate. Skipped without workers, or where spdl is not installed.
+``memcpy``                no loader: one copy of the batch's bytes between two preallocated
+                          buffers in one process, on one core: the copy that no transport can
+                          avoid.
+``memcpy-Nc``             the same copy split over N threads (N = the machine's cores).
+========================  ========================================================================
 
 A loader transport builds its loader from a :class:`~bench.workloads.Point`; ``memcpy`` is timed
 by :func:`time_memcpy` instead.
@@ -33,13 +48,19 @@ from .workloads import Point
 @dataclass(frozen=True)
 class Transport:
     name: str
-    loader: str  # "torch" | "shmloader" | "memcpy"
-    collate: str = "default"  # "numpy" | "default"
+    loader: str  # "torch" | "shmloader" | "spdl" | "memcpy"
+    collate: str = "default"  # "numpy" | "default" | "np-stack" (see Point.collate)
     threads: int = 1  # memcpy only
+    seed_collate: str | None = None  # seed001's collate where it differs from ``collate``
 
     @property
     def is_loader(self) -> bool:
         return self.loader != "memcpy"
+
+    def collate_for(self, p: Point) -> str:
+        if p.workload == "seed001" and self.seed_collate:
+            return self.seed_collate
+        return self.collate
 
 
 def cores() -> int:
@@ -56,6 +77,9 @@ def all_transports() -> dict[str, Transport]:
         "torch-shm": Transport("torch-shm", "torch", "default"),
         "shmloader": Transport("shmloader", "shmloader", "default"),
         "shmloader-np": Transport("shmloader-np", "shmloader", "numpy"),
+        "torch-pickle-np": Transport("torch-pickle-np", "torch", "np-stack"),
+        "shmloader-np-stack": Transport("shmloader-np-stack", "shmloader", "np-stack"),
+        "spdl-arena": Transport("spdl-arena", "spdl", "np-stack", seed_collate="numpy"),
         "memcpy": Transport("memcpy", "memcpy", threads=1),
     }
     if n > 1:
@@ -74,11 +98,36 @@ def shmloader_status() -> tuple[bool, str]:
     return True, getattr(shmloader, "__version__", "?")
 
 
+def skip_reason(t: Transport, p: Point) -> str | None:
+    """Why transport ``t`` cannot run point ``p`` on this machine (None: it can)."""
+    if t.loader == "shmloader":
+        ok, why = shmloader_status()
+        if not ok:
+            return f"shmloader not importable: {why}"
+    if t.loader == "spdl":
+        from .spdl_arena import spdl_status
+
+        ok, why = spdl_status()
+        if not ok:
+            return why
+        if p.num_workers == 0:
+            return "no workers: SPDL's arena moves batches out of subprocesses"
+    return None
+
+
+def prepare(t: Transport) -> None:
+    """What a transport needs running before a run counts this process's children."""
+    if t.loader == "spdl":
+        from .spdl_arena import start_quiet_resource_tracker
+
+        start_quiet_resource_tracker()
+
+
 def make_loader(t: Transport, p: Point, dataset=None):
     """The loader of transport ``t`` for point ``p`` (same dataset, batch size and workers).
     Pass ``dataset`` to share one dataset between runs (made once, outside the measurement)."""
     kw = p.loader_kwargs()
-    kw["collate_fn"] = p.collate(t.collate)
+    kw["collate_fn"] = p.collate(t.collate_for(p))
     ds = p.dataset() if dataset is None else dataset
     if t.loader == "torch":
         return torch.utils.data.DataLoader(ds, **kw)
@@ -86,6 +135,12 @@ def make_loader(t: Transport, p: Point, dataset=None):
         from shmloader import ShmDataLoader
 
         return ShmDataLoader(ds, **kw)
+    if t.loader == "spdl":
+        from .spdl_arena import SpdlArenaLoader, segment_bytes_for
+
+        kw.pop("persistent_workers", None)  # one epoch per run: nothing to persist
+        return SpdlArenaLoader(
+            ds, segment_bytes=segment_bytes_for(p.batch_bytes, leaves=p.batch_size + 3), **kw)
     raise ValueError(f"{t.name} is not a loader transport")
 
 

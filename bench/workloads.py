@@ -95,6 +95,14 @@ def stack_collate(samples):
     return np.stack(samples)
 
 
+def np_stack_collate(samples):
+    """The numpy collate as users write it: ``np.stack`` of the samples, per key for dict
+    samples (so a dict of str gives a numpy str array, a dict of int an int64 array)."""
+    if isinstance(samples[0], dict):
+        return {k: np.stack([s[k] for s in samples]) for k in samples[0]}
+    return np.stack(samples)
+
+
 # ---------------------------------------------------------------------------------------------
 # vision: dict samples
 
@@ -154,11 +162,14 @@ class Point:
         raise ValueError(f"unknown workload {self.workload!r}")
 
     def collate(self, kind: str):
-        """``kind`` is "numpy" (the workload's own numpy collate) or "default" (default_collate)."""
+        """``kind`` is "numpy" (the workload's own numpy collate), "default" (default_collate)
+        or "np-stack" (:func:`np_stack_collate`, the same function for every workload)."""
         if kind == "default":
             return default_collate
+        if kind == "np-stack":
+            return np_stack_collate
         if kind != "numpy":
-            raise ValueError(f"collate kind must be 'numpy' or 'default', got {kind!r}")
+            raise ValueError(f"collate kind must be 'numpy', 'default' or 'np-stack', got {kind!r}")
         return {
             "seed001": collate_fn,
             "transport": stack_collate,

@@ -28,9 +28,17 @@ from bench.measure import (
     shm_entries,
     touch,
 )
-from bench.transports import all_transports, make_loader, ring_info, time_memcpy
+from bench.transports import (
+    all_transports,
+    close_loader,
+    make_loader,
+    ring_info,
+    skip_reason,
+    time_memcpy,
+)
 from bench.workloads import (
     MiB,
+    np_stack_collate,
     parse_size,
     seed001_points,
     size_label,
@@ -79,7 +87,7 @@ def test_batch_bytes_match_what_the_collates_make(make):
         ds = p.dataset()
         assert len(ds) == (p.warmup + p.batches) * p.batch_size
         samples = [ds[i] for i in range(p.batch_size)]
-        for kind in ("numpy", "default"):
+        for kind in ("numpy", "default", "np-stack"):
             batch = p.collate(kind)(samples)
             assert _nbytes(batch) == p.batch_bytes, (p.key, kind)
 
@@ -95,6 +103,22 @@ def test_vision_batches_keep_their_structure():
     assert b["label"].tolist() == [0, 1, 2, 3] and b["name"][2] == "img_00000002.jpg"
     n = p.collate("numpy")(samples)
     assert isinstance(n["image"], np.ndarray) and n["label"].dtype == np.int64
+    s = p.collate("np-stack")(samples)  # np.stack per key, as users write it
+    assert s["image"].shape == (4, 3, 224, 224) and s["label"].dtype == np.int64
+    assert s["name"].dtype.kind == "U" and s["name"][2] == "img_00000002.jpg"
+    assert touch(s) == touch(b) and read_all(s) == read_all(b)  # names are read in neither
+
+
+@pytest.mark.timeout(30)
+def test_np_stack_collate_is_one_function_for_every_workload():
+    pts = [transport_points([MiB])[0], small_points()[0], vision_points()[0]]
+    assert {p.collate("np-stack") for p in pts} == {np_stack_collate}
+    (seed,) = seed001_points(["small"], [2])
+    t = all_transports()
+    assert t["torch-pickle-np"].collate_for(pts[0]) == t["shmloader-np-stack"].collate_for(
+        pts[0]) == "np-stack"
+    assert t["spdl-arena"].collate_for(pts[2]) == "np-stack"
+    assert t["spdl-arena"].collate_for(seed) == "numpy"  # the posted collate_fn
 
 
 @pytest.mark.timeout(30)
@@ -122,6 +146,15 @@ def test_point_collate_kind_is_checked():
     (p,) = small_points()
     with pytest.raises(ValueError, match="collate kind"):
         p.collate("pickle")
+
+
+@pytest.mark.timeout(30)
+def test_spdl_is_skipped_without_workers_with_a_reason():
+    t = all_transports()["spdl-arena"]
+    (w0,) = seed001_points(["large"], [0])
+    why = skip_reason(t, w0)
+    assert why and ("no workers" in why or "spdl not importable" in why)
+    assert skip_reason(all_transports()["torch-pickle"], w0) is None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -152,6 +185,18 @@ def test_ratios_are_reference_over_this():
 
 
 @pytest.mark.timeout(10)
+def test_ratios_pair_the_repeats():
+    torch_runs = [{"s_per_batch": 2.0, "repeat": 0}, {"s_per_batch": 4.0, "repeat": 2},
+                  {"s_per_batch": 3.0, "repeat": 1}]
+    shm_runs = [{"s_per_batch": 1.0, "repeat": 0}, {"s_per_batch": 2.0, "repeat": 2}]
+    a, b = stats.per_repeat(torch_runs), stats.per_repeat(shm_runs)
+    assert a == {0: 2.0, 1: 3.0, 2: 4.0}
+    assert stats.paired_ratios(a, b) == [2.0, 2.0]  # repeat 1 failed for one side: left out
+    assert stats.per_repeat([{"s_per_batch": 5.0}, {"s_per_batch": 6.0}]) == {0: 5.0, 1: 6.0}
+    assert stats.best_per_repeat({0: 1.0, 1: 5.0}, {1: 3.0, 2: 7.0}) == {0: 1.0, 1: 3.0, 2: 7.0}
+
+
+@pytest.mark.timeout(10)
 def test_seed_work_bound():
     c = {"fetch_s": 0.4, "compute_s": 0.08, "copy_s": 0.02, "step_s": 0.05, "cores": 2}
     assert stats.seed_work_bound(0, copies=0, **c) == pytest.approx(0.4 + 0.08 + 0.05)
@@ -172,6 +217,8 @@ def test_consumers_read_what_is_there():
     batch = {"x": torch.from_numpy(a.copy()), "y": [a, "name"], "z": 3}
     assert len(list(leaves(batch))) == 2
     assert touch(batch) == 2 * (0 + 9)
+    # arrays of str or objects are not leaves (default_collate leaves names a list of str)
+    assert list(leaves({"n": np.array(["a", "b"]), "o": np.array([None])})) == []
     raw = np.frombuffer(a.tobytes(), np.uint8)
     expected = int(raw[:40].view(np.uint64).sum()) + 0  # 40 bytes = 5 words
     assert read_all({"x": a}) == expected
@@ -259,6 +306,28 @@ def test_torch_transports_give_the_same_batches():
     shm = next(iter(make_loader(t["torch-shm"], p)))
     assert isinstance(pickled, np.ndarray) and isinstance(shm, torch.Tensor)
     assert np.array_equal(pickled, shm.numpy())
+    stacked = next(iter(make_loader(t["torch-pickle-np"], p)))
+    assert isinstance(stacked, np.ndarray) and np.array_equal(stacked, pickled)
+
+
+@pytest.mark.timeout(60)
+def test_shmloader_np_stack_gives_torch_pickle_nps_batches():
+    pytest.importorskip("shmloader")
+    (p,) = vision_points([2], consumers=["touch"])
+    t = all_transports()
+    ds = p.dataset()
+    ref = next(iter(make_loader(t["torch-pickle-np"], p, ds)))
+    loader = make_loader(t["shmloader-np-stack"], p, ds)
+    it = iter(loader)
+    try:
+        got = next(it)
+        assert got.keys() == ref.keys()
+        for k in ref:
+            assert isinstance(got[k], np.ndarray) and got[k].dtype == ref[k].dtype
+            assert np.array_equal(got[k], ref[k]), k
+        del got
+    finally:
+        close_loader(loader, it)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -353,6 +422,52 @@ def test_report_table_and_plots(tmp_path):
             assert f.read(8) == b"\x89PNG\r\n\x1a\n"
 
 
+def _seed_doc() -> dict:
+    """seed001 at 0 and 8 workers, three repeats each; SPDL skipped without workers."""
+    runs = {  # s/batch of repeats 0, 1, 2
+        "torch-pickle": (0.60, 0.70, 0.65), "torch-shm": (0.18, 0.20, 0.16),
+        "shmloader-np": (0.10, 0.14, 0.13), "shmloader": (0.09, 0.11, 0.10),
+        "spdl-arena": (0.20, 0.21, 0.26),
+    }
+    pts = []
+    for w in (0, 8):
+        (sp,) = seed001_points(["large"], [w])
+        tr = {n: {"repeats": [{"s_per_batch": s, "repeat": r} for r, s in enumerate(v)]}
+              for n, v in runs.items()}
+        if w == 0:
+            tr["spdl-arena"] = {"skipped": "no workers: SPDL's arena moves batches out of "
+                                           "subprocesses"}
+        pts.append(report.point_summary({
+            "key": sp.key, "workload": "seed001", "label": "large", "batch_size": 128,
+            "batch_bytes": sp.batch_bytes, "num_workers": w, "consumer": "step", "warmup": 5,
+            "batches": 16, "params": sp.params, "ratios": {}, "transports": tr}))
+    return {
+        "schema": report.SCHEMA, "created": "2024-01-01T00:00:00+00:00",
+        "command": "python -m bench", "machine": {"cpu": "test cpu", "cores": 2},
+        "config": {"repeats": 3, "name": "main"}, "points": pts, "warnings": [],
+        "work_bound": {"by_point": {pts[1]["key"]: 0.08}},
+    }
+
+
+@pytest.mark.timeout(30)
+def test_seed_table_prints_median_and_range_of_the_repeats():
+    doc = _seed_doc()
+    report.validate(doc)
+    text = report.seed_table(doc, "large")
+    assert "median [min-max] of 3 run(s)" in text
+    assert "0.650 [0.600-0.700]" in text  # torch posted: its three runs
+    assert "SPDL arena posted" in text and "0.210 [0.200-0.260]" in text
+    assert "skipped at 0 workers: no workers" in text
+    # paired per repeat: torch-pickle / shmloader-np = 6.00, 5.00, 5.00
+    assert "5.00x [5.00-6.00]" in text
+    # torch-shm / shmloader = 2.00, 1.82, 1.60
+    assert "1.82x [1.60-2.00]" in text
+    # best of shmloader's two collates / the work bound: 0.09, 0.11, 0.10 over 0.08
+    assert "1.25x [1.12-1.38]" in text
+    # spdl-arena / shmloader-np = 2.00, 1.50, 2.00
+    assert "2.00x [1.50-2.00]" in text
+
+
 # ---------------------------------------------------------------------------------------------
 # the CLI
 
@@ -364,13 +479,18 @@ def test_default_run_is_the_main_job():
     assert [(p.workload, p.label, p.num_workers) for p in points] == [
         ("seed001", "large", w) for w in (0, 2, 4, 8)]
     assert cli.transports_for(points[0], names) == [
-        "torch-pickle", "torch-shm", "shmloader", "shmloader-np"]
+        "torch-pickle", "torch-shm", "shmloader", "shmloader-np", "spdl-arena"]
+    assert cli.default_repeats(cli.build_parser().parse_args([])) == 3  # median [min-max]
+    assert cli.default_repeats(cli.build_parser().parse_args(["--quick"])) == 1
+    assert all(p.warmup + p.batches >= 21 for p in points)  # the post's 5 + 16 at least
     name, points, names = cli.plan(cli.build_parser().parse_args(
         ["-w", "transport", "--sizes", "1M,256M", "--workers", "2,4", "--consumers", "read"]))
     assert [(p.batch_bytes, p.num_workers, p.consumer) for p in points] == [
         (MiB, 2, "read"), (MiB, 4, "read"), (256 * MiB, 2, "read"), (256 * MiB, 4, "read")]
     assert "shmloader-np" not in cli.transports_for(points[0], names)
     assert "memcpy" in cli.transports_for(points[0], names)
+    for n in ("torch-pickle-np", "shmloader-np-stack", "spdl-arena"):
+        assert n in cli.transports_for(points[0], names)
     with pytest.raises(SystemExit):
         cli.plan(cli.build_parser().parse_args(["-w", "nope"]))
 
@@ -390,6 +510,9 @@ def test_quick_runs_end_to_end(tmp_path):
     for p in doc["points"]:
         for name in ("torch-pickle", "torch-shm"):
             assert doc and p["transports"][name]["summary"]["s_per_batch"]["median"] > 0
+    for p in doc["points"]:  # SPDL runs where it is installed, else says why not
+        spdl = p["transports"]["spdl-arena"]
+        assert "summary" in spdl or "spdl not importable" in spdl["skipped"], spdl
     assert not [w for w in doc["warnings"] if "leaked" in w or "killed" in w], doc["warnings"]
     assert (tmp_path / "quick-gbps.png").exists() and (tmp_path / "quick-seed001.png").exists()
     assert "seconds per batch" in proc.stdout
