@@ -58,7 +58,7 @@ from torch.utils.data import DataLoader
 from torch.utils.data._utils import collate as torch_collate
 from torch.utils.data.dataloader import _BaseDataLoaderIter
 
-from . import layout
+from . import diagnosis, layout
 from .channel import Channel, ChannelClosed
 from .crashlog import CrashLog
 from .errors import (
@@ -70,12 +70,12 @@ from .errors import (
     WorkerError,
 )
 from .ring import CONSUMER_SLOTS, Ring, RingStats, create_segment
+from .timing import BatchClock, init_block, read_block, timing_enabled
 from .worker import (
     BOOTING,
     COLLATE_CONVERT,
     COLLATE_CUSTOM,
     COLLATE_INTO_SLOT,
-    STATUS_WORD,
     Shipped,
     WorkerSpec,
     describe_stage,
@@ -102,7 +102,8 @@ class LoaderStats:
     batch now (being written, waiting, or held); detached: slots handed over to held batches so
     far; slot_grows: slots replaced by a larger segment so far; in_place_bytes: array bytes that a
     numpy collate_fn built in their slot, so that no copy was made (NOTE [ One copy for a numpy
-    collate_fn ] in worker.py)."""
+    collate_fn ] in worker.py); timing: where the time goes and the verdict (diagnosis.py;
+    None with SHMLOADER_TIMING=0).  print() it for a table, as_dict() for logging."""
 
     ring_slots: int
     slot_bytes: int
@@ -117,10 +118,23 @@ class LoaderStats:
     in_place_bytes: int
     control_bytes: int
     control_messages: int
+    timing: diagnosis.LoaderTiming | None = None
 
     @property
     def control_bytes_per_batch(self) -> float:
         return self.control_bytes / self.batches if self.batches else 0.0
+
+    def as_dict(self) -> dict:
+        """Plain, JSON-ready values, `timing` nested (LoaderStats.from_dict rebuilds it)."""
+        return diagnosis.stats_as_dict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> LoaderStats:
+        timing = data.get("timing")
+        return cls(**{**data, "timing": diagnosis.LoaderTiming.from_dict(timing) if timing else None})
+
+    def __str__(self) -> str:
+        return diagnosis.format_stats(self)
 
 
 class ShmDataLoader(DataLoader[_T_co]):
@@ -160,6 +174,7 @@ class ShmDataLoader(DataLoader[_T_co]):
         self.max_ring_bytes = max_ring_bytes
         self._last_iterator: weakref.ref | None = None
         self._final_stats: LoaderStats | None = None
+        self._timing = timing_enabled()  # NOTE [ Stage clocks ] in timing.py
 
     def __iter__(self):
         if getattr(self._iterator, "_shutdown", False):
@@ -237,6 +252,8 @@ class _ShmLoaderIter(_BaseDataLoaderIter):
         self._final_ring_stats: RingStats | None = None
         self._batches = 0
         self._in_place_bytes = 0  # array bytes workers did not copy (NOTE in worker.py)
+        self._clock = BatchClock(getattr(loader, "_timing", True))  # NOTE [ Stage clocks ]
+        self._final_worker_times: list | None = None  # read at shutdown, before the workers go
         self._epoch = 0
         self._loader_ref = weakref.ref(loader)
         context = loader.multiprocessing_context or torch.multiprocessing
@@ -269,7 +286,7 @@ class _ShmLoaderIter(_BaseDataLoaderIter):
         try:
             self._status = create_segment(status_offset(self._num_workers), 0, "the workers' status words")
             for worker_id in range(self._num_workers):  # what a worker dead before its first word did
-                self._status.write(status_offset(worker_id), STATUS_WORD.pack(BOOTING, -1))
+                init_block(self._status, status_offset(worker_id), BOOTING, self._clock.enabled)
             for worker_id in range(self._num_workers):
                 channel, child_sock = Channel.pair()
                 self._channels.append(channel)
@@ -305,6 +322,7 @@ class _ShmLoaderIter(_BaseDataLoaderIter):
 
     def _reset(self, loader, first_iter=False) -> None:
         super()._reset(loader, first_iter)
+        self._clock.new_epoch()
         self._send_idx = 0
         self._rcvd_idx = 0
         self._task_info: dict[int, tuple] = {}
@@ -442,6 +460,7 @@ class _ShmLoaderIter(_BaseDataLoaderIter):
                     "start a new epoch with iter(loader)"
                 )
             raise StopIteration
+        start = self._clock.begin()
         try:
             data = self._next_data_inner()
         except StopIteration:
@@ -449,6 +468,7 @@ class _ShmLoaderIter(_BaseDataLoaderIter):
         except BaseException as exc:  # a dead worker, a timeout, Ctrl-C, a protocol error
             self._break(exc)
             raise
+        self._clock.end(start)
         if isinstance(data, _Failure):
             data.reraise()  # the worker's own exception: the epoch goes on, as in torch
         return data
@@ -634,13 +654,33 @@ class _ShmLoaderIter(_BaseDataLoaderIter):
             in_place_bytes=self._in_place_bytes,
             control_bytes=sum(c.bytes_sent + c.bytes_received for c in self._channels),
             control_messages=sum(c.messages_sent + c.messages_received for c in self._channels),
+            timing=self._timing_stats(),
         )
+
+    def _worker_times(self) -> list | None:
+        """Each worker's stage clocks (NOTE [ Stage clocks ]), live or as read at shutdown."""
+        if self._status is None or not self._clock.enabled:
+            return self._final_worker_times
+        now = time.monotonic_ns()
+        return [diagnosis.worker_timing(worker_id, read_block(
+                    self._status, status_offset(worker_id), process.pid, now))
+                for worker_id, process in enumerate(self._workers)]
+
+    def _timing_stats(self) -> diagnosis.LoaderTiming | None:
+        if not self._clock.enabled:
+            return None
+        return diagnosis.diagnose(self._clock, self._worker_times() or [], self._prefetch_factor,
+                                  time.monotonic_ns(), time.process_time_ns())
 
     def _shutdown_workers(self) -> None:
         """See NOTE [ Shutdown ]."""
         if self._shutdown:
             return
         self._shutdown = True
+        try:
+            self._final_worker_times = self._worker_times()  # while /proc still has them
+        except Exception:
+            pass
         try:
             for channel in self._channels:
                 try:

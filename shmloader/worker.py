@@ -43,6 +43,7 @@ from .channel import Channel, ChannelClosed
 from .errors import SlotProtocolError
 from .ownership import close_parent_only_in_child
 from .ring import create_segment, slot_capacity
+from .timing import MAX_STAGES, STATUS_BLOCK_BYTES, StageClock
 
 # How the batch is built in the worker.
 COLLATE_INTO_SLOT = "slot"  # collate_fn is torch's default_collate: rows written in place
@@ -81,6 +82,8 @@ STAGES = (
 
 
 STATUS_WORD = struct.Struct("<qq")  # (stage, batch), one per worker in the status segment
+# Each worker's status word opens its block of stage clocks (NOTE [ Stage clocks ] in timing.py).
+assert len(STAGES) <= MAX_STAGES
 
 
 def describe_stage(segment, worker_id: int) -> str:
@@ -91,7 +94,7 @@ def describe_stage(segment, worker_id: int) -> str:
 
 
 def status_offset(worker_id: int) -> int:
-    return layout.HEADER_BYTES + worker_id * STATUS_WORD.size
+    return layout.HEADER_BYTES + worker_id * STATUS_BLOCK_BYTES
 
 
 class Shipped:
@@ -232,15 +235,17 @@ class _Worker:
         self.ended = False
         self.fetcher = None
         self.status = None  # the status segment, whose fd is the first message from main
+        self.clock: StageClock | None = None  # writes this worker's block of it
         self.stage = STAGES[BOOTING]  # the stage last entered, for an error outside a task
         self.crash_file = None  # where faulthandler writes (crashlog.py)
         self.grants: collections.deque[tuple[int, int, int, int]] = collections.deque()  # (slot, gen, cap, hint)
         self.pending: collections.deque[tuple[tuple, list[int]]] = collections.deque()
 
     def _enter(self, stage: int, idx: int = -1) -> str:
-        """Record the stage in this worker's status word, return its name."""
-        if self.status is not None:
-            self.status.write(status_offset(self.spec.worker_id), STATUS_WORD.pack(stage, idx))
+        """Record the stage in this worker's status word (and time the one it leaves: NOTE
+        [ Stage clocks ] in timing.py), return its name."""
+        if self.clock is not None:
+            self.clock.enter(stage, idx)
         self.stage = STAGES[stage]
         return self.stage
 
@@ -259,6 +264,7 @@ class _Worker:
 
         self.status = Segment(fds[0], message[1])
         self.status.close_fd()
+        self.clock = StageClock(self.status, status_offset(spec.worker_id), IDLE, FETCHING)
         self.crash_file = os.fdopen(fds[1], "w")
         faulthandler.enable(file=self.crash_file)  # into the main process's WorkerDiedError
         torch.set_num_threads(1)
