@@ -9,14 +9,14 @@ a verdict in words:
     COMPUTE_BOUND, **balanced** between;
   * the workers that would keep up: a worker needs `B0` seconds per batch uncontended (its CPU
     time plus the time it blocked on I/O or sleep, i.e. its busy wall time less the time it sat in
-    the run queue), the loop takes one batch every `T` seconds (its step plus the loader's own
-    smallest wait), so about B0 / T workers keep up (HEADROOM more for the jitter) — unless the
+    the run queue), the loop takes one batch every `T` seconds (its step; the loader's own part of
+    next() is left out, a fraction of a millisecond), so about B0 / T workers keep up (HEADROOM more for the jitter) — unless the
     CPU runs out first: the workers need c / T cores (c: CPU seconds per batch) and have the
     machine's cores less what the training process itself uses; past that more workers only
     share the cores, so the suggestion stops at the count that fills them;
   * what else would help: workers idle while the loop waits (prefetch_factor too low), workers
-    waiting for slots while the loop waits (slots scarce: a cap, or batches held), workers
-    waiting for a CPU (more workers than cores).
+    waiting for slots while the loop waits (slots scarce: a cap, or batches held), workers or the
+    training process waiting for a CPU (more workers than the cores can take).
 """
 
 from __future__ import annotations
@@ -45,6 +45,7 @@ MIN_BATCHES = 5  # fewer steady-state batches than this: no verdict
 IDLE_WHILE_WAITING = 0.25  # workers idle this much while the loop waits: prefetch_factor too low
 SLOT_WAIT = 0.10  # workers waiting for a slot this much while the loop waits: slots are scarce
 RUN_QUEUE = 0.25  # workers waiting for a CPU this share of their busy time: too few cores
+MAIN_RUN_QUEUE = 0.05  # the training thread waiting for a CPU this share of the time: too many workers
 
 # worker.STAGES grouped as the table shows them
 _GROUPS = {
@@ -93,7 +94,8 @@ class LoaderTiming:
     out each epoch's first batch (start-up, in `startup_s`): `batches` next() calls waited
     `wait_s` in all, and the loop spent `step_s` between calls.  Percentiles are over the latest
     timing.WINDOW batches.  `main_cpu_fraction`: CPU the training process used per second since
-    iter() (its own work included), `cores`: CPUs this process may use.  `bound` is "input",
+    iter() (its own work included), `main_run_queue_fraction` the share of that time its thread
+    waited for a CPU (None where unknown), `cores`: CPUs this process may use.  `bound` is "input",
     "compute", "balanced" or "unknown"; `suggested_workers` the workers that would keep up on
     this machine; `verdict` says it in words and `advice` lists what else would help."""
 
@@ -110,6 +112,7 @@ class LoaderTiming:
     wait_max_s: float
     step_p50_s: float
     main_cpu_fraction: float
+    main_run_queue_fraction: float | None
     workers: tuple[WorkerTiming, ...]
     bound: str
     suggested_workers: int | None
@@ -192,6 +195,7 @@ def diagnose(clock: BatchClock, workers: list[WorkerTiming], prefetch_factor: in
              now_ns: int, now_cpu_ns: int, cores: float | None = None) -> LoaderTiming:
     """The LoaderTiming of a loader from its BatchClock and its workers' figures."""
     waits, steps = clock.recent()
+    queued = clock.run_queue_ns()
     elapsed = max(1, now_ns - clock.created_ns)
     cores = available_cores() if cores is None else cores
     wait_s = clock.wait_ns / 1e9
@@ -205,10 +209,10 @@ def diagnose(clock: BatchClock, workers: list[WorkerTiming], prefetch_factor: in
         wait_p50_s=_quantile(waits, 0.5), wait_p90_s=_quantile(waits, 0.9),
         wait_max_s=max(waits) / 1e9 if waits else 0.0, step_p50_s=_quantile(steps, 0.5),
         main_cpu_fraction=max(0.0, (now_cpu_ns - clock.created_cpu_ns) / elapsed),
+        main_run_queue_fraction=None if queued is None else queued / elapsed,
         workers=tuple(workers),
     )
-    bound, suggested, verdict, advice = assess(
-        figures, min_wait_s=min(waits) / 1e9 if waits else 0.0)
+    bound, suggested, verdict, advice = assess(figures)
     return LoaderTiming(**figures, bound=bound, suggested_workers=suggested, verdict=verdict,
                         advice=tuple(advice))
 
@@ -253,7 +257,7 @@ def estimate_workers(busy_s: float, cpu_s: float | None, run_queue_s: float | No
     return max(1, math.ceil(needed * HEADROOM)), False, None
 
 
-def assess(f: dict, min_wait_s: float = 0.0) -> tuple[str, int | None, str, list[str]]:
+def assess(f: dict) -> tuple[str, int | None, str, list[str]]:
     """(bound, suggested workers, verdict, advice) from LoaderTiming's figures."""
     n, workers = f["batches"], f["workers"]
     if not workers:
@@ -276,8 +280,7 @@ def assess(f: dict, min_wait_s: float = 0.0) -> tuple[str, int | None, str, list
     if done and all(w.run_queue_s is not None for w in workers):
         queue = sum(w.run_queue_s for w in workers) / done  # type: ignore[misc]
     busy_per_batch = busy / done if done else 0.0
-    # the loop takes a batch every step + the loader's own part of next() (its smallest wait)
-    target = step + min_wait_s
+    target = step  # the loop takes a batch every step
     free_cores = max(1.0, cores - f["main_cpu_fraction"])
     suggested, cpu_limited, cores_needed = estimate_workers(busy_per_batch, cpu, queue, target,
                                                            free_cores)
@@ -316,6 +319,9 @@ def assess(f: dict, min_wait_s: float = 0.0) -> tuple[str, int | None, str, list
         else:
             parts.append(f"the {num_workers} workers are busy {_pct(busy / active if active else 0)}"
                          " of the time")
+    elif bound == "input" and suggested <= num_workers:
+        parts.append(f"the {num_workers} workers should be enough (about {suggested} would keep "
+                     f"up on {machine}): the wait is not for want of workers")
     else:
         parts.append(f"about {_workers(suggested)} would keep up on {machine} "
                      f"(now {num_workers})")
@@ -324,16 +330,26 @@ def assess(f: dict, min_wait_s: float = 0.0) -> tuple[str, int | None, str, list
         if cpu_limited:
             advice.append("make each sample cheaper on the CPU (decode less, cache decoded "
                           "samples, move augmentation to the GPU) or use more cores")
-        if share["idle"] >= IDLE_WHILE_WAITING:
+        main_queue = f.get("main_run_queue_fraction")
+        if main_queue is not None and main_queue >= MAIN_RUN_QUEUE:
+            advice.append(
+                f"the training process waited {_pct(main_queue)} of the time for a CPU: "
+                f"{num_workers} workers and it share {_cores(cores)} cores"
+                + (f"; about {_workers(suggested)} would leave it more" if suggested < num_workers
+                   else ""))
+        elif share["idle"] >= IDLE_WHILE_WAITING:
             advice.append(
                 f"workers sat idle {_pct(share['idle'])} of the time while the loop waited: "
-                f"too few batches are queued per worker; raise prefetch_factor (now "
+                f"batches are not queued early enough; raise prefetch_factor (now "
                 f"{f['prefetch_factor']})")
         if share["awaiting_slot"] >= SLOT_WAIT:
             advice.append(
                 f"workers waited {_pct(share['awaiting_slot'])} of the time for a free slot: "
                 "slots are scarce; raise max_ring_slots / max_ring_bytes if you set them, or "
                 "let go of batches sooner")
+        if not advice and suggested <= num_workers:
+            advice.append(f"uneven sample times make the loop wait on the slowest batch: a "
+                          f"larger prefetch_factor (now {f['prefetch_factor']}) absorbs them")
         if queue is not None and busy_per_batch > 0 and queue / busy_per_batch >= RUN_QUEUE:
             advice.append(
                 f"workers waited {_pct(queue / busy_per_batch)} of their busy time for a CPU: "
@@ -362,7 +378,9 @@ def format_timing(t: LoaderTiming) -> str:
     ], ["per batch", "mean", "p50", "p90", "max", "share"])
     lines.append(f"workers ({t.num_workers}, prefetch_factor {t.prefetch_factor}; share of each "
                  f"one's time since start-up; {_cores(t.cores)} cores, training process "
-                 f"{t.main_cpu_fraction:.2f} CPU):")
+                 f"{t.main_cpu_fraction:.2f} CPU"
+                 + ("" if t.main_run_queue_fraction is None
+                    else f", {_pct(t.main_run_queue_fraction)} waiting for one") + "):")
     rows = []
     for w in t.workers:
         active = w.active_s or 1.0

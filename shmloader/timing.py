@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import os
 import struct
+import threading
 import time
 from array import array
 
@@ -135,7 +136,8 @@ class BatchClock:
     from the steady-state figures."""
 
     __slots__ = ("enabled", "waits", "steps", "batches", "wait_ns", "step_ns", "nsteps",
-                 "startup_ns", "startups", "_last", "_first", "created_ns", "created_cpu_ns")
+                 "startup_ns", "startups", "_last", "_first", "created_ns", "created_cpu_ns",
+                 "_schedstat", "created_delay_ns")
 
     def __init__(self, enabled: bool = True):
         self.enabled = enabled
@@ -148,6 +150,10 @@ class BatchClock:
         self._first = True
         self.created_ns = time.monotonic_ns()
         self.created_cpu_ns = time.process_time_ns()
+        # the training thread's run-queue delay: is the training process itself short of CPU?
+        self._schedstat = f"/proc/self/task/{threading.get_native_id()}/schedstat"
+        got = _schedstat(self._schedstat)
+        self.created_delay_ns = got[1] if got else -1
 
     def begin(self) -> int:
         """At the start of next(): closes the step since the last one; returns the start."""
@@ -182,6 +188,11 @@ class BatchClock:
         """The next batch is an epoch's first; the time until it is asked for is not a step."""
         self._first = True
         self._last = 0
+
+    def run_queue_ns(self) -> int | None:
+        """Nanoseconds the training thread waited for a CPU since this clock was made."""
+        got = _schedstat(self._schedstat) if self.created_delay_ns >= 0 else None
+        return None if got is None else max(0, got[1] - self.created_delay_ns)
 
     def recent(self) -> tuple[list[int], list[int]]:
         """(waits, steps) of the latest batches, oldest first (at most WINDOW of each)."""
