@@ -9,6 +9,8 @@ prints seconds per batch (median [min-max]) side by side with the work bound. Ot
     python -m bench --workload transport --sizes 1M,64M,256M --repeats 3
     python -m bench --workload all           # every workload at its defaults (the longest run)
     python -m bench --quick                  # CI: a little of everything, under a minute
+    python -m bench -w transport --sizes 1M --consumers touch \
+        --transports shmloader,shmloader-untimed --repeats 7   # what stats().timing costs
 
 Transports run interleaved (A B C A B C ...) within each point, so drift hits all alike.
 Writes ``<out>/<name>.json`` and ``<out>/<name>-*.png`` (default ``bench/results/``).
@@ -76,7 +78,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--transports", default=None,
                     help="comma list of torch-pickle, torch-shm, torch-pickle-np, shmloader, "
                          "shmloader-np, shmloader-np-stack, spdl-arena, memcpy, memcpy-Nc "
-                         "(default: all that apply)")
+                         "(default: all that apply), and shmloader-untimed (shmloader with "
+                         "SHMLOADER_TIMING=0: the cost of stats().timing, only when named)")
     ap.add_argument("--repeats", type=int, default=None,
                     help=f"runs per transport and point (default {MAIN_REPEATS}; --quick 1)")
     ap.add_argument("--batches", type=int, default=None, help="timed batches per run (override)")

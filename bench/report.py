@@ -306,12 +306,30 @@ def format_report(doc: dict) -> str:
         out.append(f"{wl}: medians over repeats; 'vs X' = X's s/batch / this one's "
                    f"(>1 = faster); 'of memcpy' = share of one-core memcpy bandwidth")
         out += [point_table(pts), ""]
+    timing = timing_lines(doc)
+    if timing:
+        out += ["shmloader's stall diagnostics (stats().timing): s/batch on / off - 1, each "
+                "repeat's two runs paired, median [min-max]:", *timing, ""]
     rings = ring_lines(doc)
     if rings:
         out += ["shmloader ring (size /dev/shm for it):", *rings, ""]
     for w in doc.get("warnings", []):
         out.append(f"WARNING: {w}")
     return "\n".join(out).rstrip() + "\n"
+
+
+def timing_lines(doc: dict) -> list[str]:
+    """Per point that ran both shmloader and shmloader-untimed: what the timing costs."""
+    out = []
+    for p in doc["points"]:
+        on = stats.per_repeat(p["transports"].get("shmloader", {}).get("repeats", []))
+        off = stats.per_repeat(p["transports"].get("shmloader-untimed", {}).get("repeats", []))
+        if on and off:
+            cost = [r - 1 for r in stats.paired_ratios(on, off)]
+            out.append(f"  {p['key']}: {_cell([100 * c for c in cost], '+.2f', '%')} "
+                       f"(on {_cell(list(on.values()), '.5f')} s, off "
+                       f"{_cell(list(off.values()), '.5f')} s per batch, {len(cost)} pairs)")
+    return out
 
 
 def ring_lines(doc: dict) -> list[str]:
@@ -336,6 +354,7 @@ COLORS = {
     "torch-pickle": "tab:red", "torch-shm": "tab:orange", "shmloader": "tab:blue",
     "shmloader-np": "tab:cyan", "memcpy": "black", "torch-pickle-np": "tab:pink",
     "shmloader-np-stack": "tab:purple", "spdl-arena": "tab:green",
+    "shmloader-untimed": "tab:gray",
 }
 
 

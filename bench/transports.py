@@ -18,6 +18,9 @@
                           numpy views).
 ``shmloader-np-stack``    ``shmloader.ShmDataLoader`` with ``np_stack_collate``, the same function
                           object ``torch-pickle-np`` uses.
+``shmloader-untimed``     ``shmloader`` with its stall diagnostics off (``SHMLOADER_TIMING=0``):
+                          beside ``shmloader`` it measures what ``stats().timing`` costs (only
+                          when named in ``--transports``).
 ``spdl-arena``            SPDL 0.8's shared-memory arena: one ``iterate_in_subprocess(...,
                           arena=SharedMemorySegmentPool(...))`` per worker, merged in torch's
                           order (:mod:`bench.spdl_arena`); ``np_stack_collate``, for seed001 the
@@ -52,6 +55,7 @@ class Transport:
     collate: str = "default"  # "numpy" | "default" | "np-stack" (see Point.collate)
     threads: int = 1  # memcpy only
     seed_collate: str | None = None  # seed001's collate where it differs from ``collate``
+    timing: bool = True  # shmloader only: its stall diagnostics (SHMLOADER_TIMING)
 
     @property
     def is_loader(self) -> bool:
@@ -79,6 +83,7 @@ def all_transports() -> dict[str, Transport]:
         "shmloader-np": Transport("shmloader-np", "shmloader", "numpy"),
         "torch-pickle-np": Transport("torch-pickle-np", "torch", "np-stack"),
         "shmloader-np-stack": Transport("shmloader-np-stack", "shmloader", "np-stack"),
+        "shmloader-untimed": Transport("shmloader-untimed", "shmloader", "default", timing=False),
         "spdl-arena": Transport("spdl-arena", "spdl", "np-stack", seed_collate="numpy"),
         "memcpy": Transport("memcpy", "memcpy", threads=1),
     }
@@ -134,7 +139,17 @@ def make_loader(t: Transport, p: Point, dataset=None):
     if t.loader == "shmloader":
         from shmloader import ShmDataLoader
 
-        return ShmDataLoader(ds, **kw)
+        if t.timing:
+            return ShmDataLoader(ds, **kw)
+        saved = os.environ.get("SHMLOADER_TIMING")
+        os.environ["SHMLOADER_TIMING"] = "0"  # read by the loader when it is made
+        try:
+            return ShmDataLoader(ds, **kw)
+        finally:
+            if saved is None:
+                del os.environ["SHMLOADER_TIMING"]
+            else:
+                os.environ["SHMLOADER_TIMING"] = saved
     if t.loader == "spdl":
         from .spdl_arena import SpdlArenaLoader, segment_bytes_for
 

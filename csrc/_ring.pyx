@@ -346,3 +346,76 @@ cdef class SlotArena:
             if self._a.open:
                 self.close()
             self.release()
+
+
+# -- a worker's stage clocks (NOTE [ Stage clocks ] in shmloader/timing.py) -------------------------
+
+cdef extern from "<time.h>" nogil:
+    ctypedef long time_t
+    cdef struct timespec:
+        time_t tv_sec
+        long tv_nsec
+    int clock_gettime(int clk_id, timespec *tp)
+    int CLOCK_MONOTONIC
+
+DEF STAGE_SLOTS = 24
+
+cdef struct stage_block:  # one worker's block of the status segment: 32 int64 words, 256 bytes
+    int64_t stage  # the stage it is in (an index into shmloader.worker.STAGES)
+    int64_t batch  # the batch it is for, or -1
+    int64_t since_ns  # CLOCK_MONOTONIC when it entered the stage (0: not started)
+    int64_t batches  # batches begun (entries into "fetching")
+    int64_t timed  # 1: accumulate times (written by the main process before the worker starts)
+    int64_t cpu0_ns  # the worker thread's CPU time when start-up ended, -1 if unknown
+    int64_t delay0_ns  # its run-queue delay then, -1 if unknown
+    int64_t spare
+    int64_t stage_ns[STAGE_SLOTS]  # nanoseconds in each stage so far (the current one excluded)
+
+STATUS_BLOCK_BYTES = sizeof(stage_block)
+MAX_STAGES = STAGE_SLOTS
+
+
+cdef class StageClock:
+    """A worker's writer of its stage block: `enter(stage, batch)` adds the time since the last
+    change to the stage it leaves and records the new one (a clock read and a few stores, no
+    system call).  `on_ready`, if given, is called once, the first time the worker enters the
+    `idle` stage, to record its CPU baseline with `set_baseline`."""
+
+    cdef Segment _segment  # keeps the mapping alive
+    cdef stage_block *_b
+    cdef readonly bint timed
+    cdef int64_t _idle, _fetching
+    cdef object _on_ready
+
+    def __cinit__(self, Segment segment, uint64_t offset, int64_t idle, int64_t fetching,
+                  on_ready=None):
+        segment._check_range(offset, sizeof(stage_block))
+        if offset % 8:
+            raise ValueError(f"a stage block must be 8-byte aligned, got offset {offset}")
+        self._segment = segment
+        self._b = <stage_block *>(segment._base + offset)
+        self.timed = self._b.timed != 0
+        self._idle, self._fetching = idle, fetching
+        self._on_ready = on_ready
+
+    def enter(self, int64_t stage, int64_t batch):
+        cdef stage_block *b = self._b
+        cdef timespec ts
+        cdef int64_t now
+        if self.timed:
+            clock_gettime(CLOCK_MONOTONIC, &ts)
+            now = <int64_t>ts.tv_sec * 1000000000 + ts.tv_nsec
+            if b.since_ns and 0 <= b.stage < STAGE_SLOTS:
+                b.stage_ns[b.stage] += now - b.since_ns
+            b.since_ns = now
+            if stage == self._fetching:
+                b.batches += 1
+        b.stage = stage
+        b.batch = batch
+        if stage == self._idle and self._on_ready is not None:
+            on_ready, self._on_ready = self._on_ready, None
+            on_ready(self)
+
+    def set_baseline(self, int64_t cpu_ns, int64_t delay_ns):
+        self._b.cpu0_ns = cpu_ns
+        self._b.delay0_ns = delay_ns

@@ -53,3 +53,19 @@ class SlotLease:
         on_release: Callable[[tuple[int, int]], object] | None,
     ) -> None: ...
     def __buffer__(self, flags: int) -> memoryview: ...
+
+STATUS_BLOCK_BYTES: int
+MAX_STAGES: int
+
+class StageClock:
+    timed: bool
+    def __init__(
+        self,
+        segment: Segment,
+        offset: int,
+        idle: int,
+        fetching: int,
+        on_ready: Callable[[StageClock], object] | None = None,
+    ) -> None: ...
+    def enter(self, stage: int, batch: int) -> None: ...
+    def set_baseline(self, cpu_ns: int, delay_ns: int) -> None: ...

@@ -18,8 +18,9 @@ NOTE [ Stage clocks ]
 
   Words 0 and 1 are what a death report reads (worker.describe_stage).  On each change of stage
   the worker adds `now - since_ns` to the stage it leaves and stores the new stage and
-  `since_ns = now`: a clock read, four stores and an add, a few hundred nanoseconds on a handful
-  of stage changes per batch.  The main process reads the blocks only when `stats()` is called
+  `since_ns = now` (StageClock in csrc/_ring.pyx, where the block's struct is declared): a
+  clock read and a few stores in C, tens of nanoseconds, on a handful of stage changes per
+  batch.  The main process reads the blocks only when `stats()` is called
   (CLOCK_MONOTONIC is system-wide, so it adds the current stage's time so far itself) and reads
   each worker's CPU time and run-queue delay from /proc/<pid>/schedstat then, so the worker
   pays nothing for those.  Reads race with the writes; a figure may be off by the stage being
@@ -42,14 +43,19 @@ import threading
 import time
 from array import array
 
+from . import _ring
+
+# The block's words, as csrc/_ring.pyx's `stage_block` lays them out.
 STATUS_BLOCK_WORDS = 32
-STATUS_BLOCK_BYTES = 8 * STATUS_BLOCK_WORDS
+STATUS_BLOCK_BYTES = _ring.STATUS_BLOCK_BYTES
 W_STAGE, W_BATCH, W_SINCE, W_BATCHES, W_TIMED, W_CPU0, W_DELAY0 = range(7)
 W_STAGE_NS = 8
-MAX_STAGES = STATUS_BLOCK_WORDS - W_STAGE_NS
+MAX_STAGES = _ring.MAX_STAGES
+assert STATUS_BLOCK_BYTES == 8 * STATUS_BLOCK_WORDS and MAX_STAGES == STATUS_BLOCK_WORDS - W_STAGE_NS
 _BLOCK = struct.Struct(f"<{STATUS_BLOCK_WORDS}q")
 
 WINDOW = 1024  # per-batch figures kept for percentiles and plots (the latest WINDOW batches)
+_MASK = WINDOW - 1  # WINDOW is a power of two
 
 
 def timing_enabled() -> bool:
@@ -70,33 +76,16 @@ def _schedstat(path: str) -> tuple[int, int] | None:
 # -- the worker's side --------------------------------------------------------------------------
 
 
-class StageClock:
-    """A worker's writer of its status block (NOTE [ Stage clocks ])."""
+def stage_clock(segment, offset: int, idle: int, fetching: int) -> _ring.StageClock:
+    """A worker's writer of its block (NOTE [ Stage clocks ]; in C: csrc/_ring.pyx)."""
+    return _ring.StageClock(segment, offset, idle, fetching, _record_baseline)
 
-    __slots__ = ("words", "timed", "idle", "fetching", "ready")
 
-    def __init__(self, segment, offset: int, idle: int, fetching: int):
-        self.words = memoryview(segment)[offset:offset + STATUS_BLOCK_BYTES].cast("q")
-        self.timed = bool(self.words[W_TIMED])
-        self.idle, self.fetching = idle, fetching
-        self.ready = False
-
-    def enter(self, stage: int, idx: int) -> None:
-        words = self.words
-        if self.timed:
-            now = time.monotonic_ns()
-            since = words[W_SINCE]
-            if since:
-                words[W_STAGE_NS + words[W_STAGE]] += now - since
-            words[W_SINCE] = now
-            if stage == self.fetching:
-                words[W_BATCHES] += 1
-            elif stage == self.idle and not self.ready:  # start-up is over: CPU counts from here
-                self.ready = True
-                got = _schedstat("/proc/thread-self/schedstat")
-                words[W_CPU0], words[W_DELAY0] = got if got else (time.thread_time_ns(), -1)
-        words[W_STAGE] = stage
-        words[W_BATCH] = idx
+def _record_baseline(clock: _ring.StageClock) -> None:
+    """Start-up is over (the worker is idle for the first time): its CPU counts from here."""
+    if clock.timed:
+        got = _schedstat("/proc/thread-self/schedstat")
+        clock.set_baseline(*(got if got else (time.thread_time_ns(), -1)))
 
 
 def init_block(segment, offset: int, stage: int, timed: bool) -> None:
@@ -155,34 +144,33 @@ class BatchClock:
         got = _schedstat(self._schedstat)
         self.created_delay_ns = got[1] if got else -1
 
-    def begin(self) -> int:
+    def begin(self, _now=time.monotonic_ns) -> int:
         """At the start of next(): closes the step since the last one; returns the start."""
         if not self.enabled:
             return 0
-        now = time.monotonic_ns()
+        now = _now()
         if self._last:
             step = now - self._last
-            self.steps[self.nsteps % WINDOW] = step
+            self.steps[self.nsteps & _MASK] = step
             self.nsteps += 1
             self.step_ns += step
             self._last = 0
         return now
 
-    def end(self, start: int) -> None:
+    def end(self, start: int, _now=time.monotonic_ns) -> None:
         """When next() returns a batch that began at `start`."""
         if not start:
             return
-        now = time.monotonic_ns()
+        now = self._last = _now()
         wait = now - start
         if self._first:
             self._first = False
             self.startup_ns += wait
             self.startups += 1
         else:
-            self.waits[self.batches % WINDOW] = wait
+            self.waits[self.batches & _MASK] = wait
             self.batches += 1
             self.wait_ns += wait
-        self._last = now
 
     def new_epoch(self) -> None:
         """The next batch is an epoch's first; the time until it is asked for is not a step."""

@@ -43,7 +43,7 @@ from .channel import Channel, ChannelClosed
 from .errors import SlotProtocolError
 from .ownership import close_parent_only_in_child
 from .ring import create_segment, slot_capacity
-from .timing import MAX_STAGES, STATUS_BLOCK_BYTES, StageClock
+from .timing import MAX_STAGES, STATUS_BLOCK_BYTES, stage_clock
 
 # How the batch is built in the worker.
 COLLATE_INTO_SLOT = "slot"  # collate_fn is torch's default_collate: rows written in place
@@ -235,7 +235,7 @@ class _Worker:
         self.ended = False
         self.fetcher = None
         self.status = None  # the status segment, whose fd is the first message from main
-        self.clock: StageClock | None = None  # writes this worker's block of it
+        self.clock = None  # writes this worker's block of it (timing.stage_clock)
         self.stage = STAGES[BOOTING]  # the stage last entered, for an error outside a task
         self.crash_file = None  # where faulthandler writes (crashlog.py)
         self.grants: collections.deque[tuple[int, int, int, int]] = collections.deque()  # (slot, gen, cap, hint)
@@ -264,7 +264,7 @@ class _Worker:
 
         self.status = Segment(fds[0], message[1])
         self.status.close_fd()
-        self.clock = StageClock(self.status, status_offset(spec.worker_id), IDLE, FETCHING)
+        self.clock = stage_clock(self.status, status_offset(spec.worker_id), IDLE, FETCHING)
         self.crash_file = os.fdopen(fds[1], "w")
         faulthandler.enable(file=self.crash_file)  # into the main process's WorkerDiedError
         torch.set_num_threads(1)
