@@ -383,7 +383,6 @@ cdef class StageClock:
 
     cdef Segment _segment  # keeps the mapping alive
     cdef stage_block *_b
-    cdef readonly bint timed
     cdef int64_t _idle, _fetching
     cdef object _on_ready
 
@@ -394,7 +393,6 @@ cdef class StageClock:
             raise ValueError(f"a stage block must be 8-byte aligned, got offset {offset}")
         self._segment = segment
         self._b = <stage_block *>(segment._base + offset)
-        self.timed = self._b.timed != 0
         self._idle, self._fetching = idle, fetching
         self._on_ready = on_ready
 
@@ -402,7 +400,9 @@ cdef class StageClock:
         cdef stage_block *b = self._b
         cdef timespec ts
         cdef int64_t now
-        if self.timed:
+        if not b.timed:  # read at each change: the main process may turn it on or off
+            b.since_ns = 0
+        else:
             clock_gettime(CLOCK_MONOTONIC, &ts)
             now = <int64_t>ts.tv_sec * 1000000000 + ts.tv_nsec
             if b.since_ns and 0 <= b.stage < STAGE_SLOTS:
@@ -415,6 +415,10 @@ cdef class StageClock:
         if stage == self._idle and self._on_ready is not None:
             on_ready, self._on_ready = self._on_ready, None
             on_ready(self)
+
+    @property
+    def timed(self):
+        return self._b.timed != 0
 
     def set_baseline(self, int64_t cpu_ns, int64_t delay_ns):
         self._b.cpu0_ns = cpu_ns
