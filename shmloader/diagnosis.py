@@ -319,6 +319,9 @@ def assess(f: dict) -> tuple[str, int | None, str, list[str]]:
         else:
             parts.append(f"the {num_workers} workers are busy {_pct(busy / active if active else 0)}"
                          " of the time")
+            if suggested > num_workers:
+                parts.append(f"they are at their limit: about {_workers(suggested)} would leave "
+                             "headroom for slower samples or a faster step")
     elif bound == "input" and suggested <= num_workers:
         parts.append(f"the {num_workers} workers should be enough (about {suggested} would keep "
                      f"up on {machine}): the wait is not for want of workers")
