@@ -16,6 +16,7 @@ from .errors import (
     WorkerError,
 )
 from .loader import LoaderStats, ShmDataLoader
+from .arena import empty_tensor
 from .prefetch import CudaPrefetcher
 
 __all__ = [
@@ -24,6 +25,7 @@ __all__ = [
     "LoaderStats",
     "CudaPrefetcher",
     "accelerate_prepare",
+    "empty_tensor",
     "CudaUnavailableError",
     "ShmLoaderError",
     "WorkerDiedError",
