@@ -2,6 +2,7 @@
 
 from ._version import __version__
 from .accelerate import accelerate_prepare
+from .arena import empty_tensor
 from .cuda import CudaUnavailableError
 from .errors import (
     BatchShapeError,
@@ -16,7 +17,6 @@ from .errors import (
     WorkerError,
 )
 from .loader import LoaderStats, ShmDataLoader
-from .arena import empty_tensor
 from .prefetch import CudaPrefetcher
 
 __all__ = [
