@@ -100,7 +100,8 @@ class LoaderStats:
     detached from the ring for batches the training loop holds, still alive;
     reserved_bytes: all shared memory reserved now (ring + held); in_use_bytes: of which hold a
     batch now (being written, waiting, or held); detached: slots handed over to held batches so
-    far; slot_grows: slots replaced by a larger segment so far; in_place_bytes: array bytes that a
+    far; slot_grows: slots replaced by a larger segment so far; made_ahead: slot segments made
+    ahead of need, off the workers' path (NOTE [ Spare segments ] in spares.py); in_place_bytes: array bytes that a
     numpy collate_fn built in their slot, so that no copy was made (NOTE [ One copy for a numpy
     collate_fn ] in worker.py)."""
 
@@ -113,6 +114,7 @@ class LoaderStats:
     in_use_bytes: int
     detached: int
     slot_grows: int
+    made_ahead: int
     batches: int
     in_place_bytes: int
     control_bytes: int
@@ -298,7 +300,8 @@ class _ShmLoaderIter(_BaseDataLoaderIter):
         self._channel_of = {c.fileno(): (worker_id, c) for worker_id, c in enumerate(self._channels)}
         self._channel_fds = list(self._channel_of)
         self._sentinel_of = {p.sentinel: worker_id for worker_id, p in enumerate(self._workers)}
-        self._wait_fds = self._channel_fds + list(self._sentinel_of)
+        # ... and the spare-segment thread's wake-ups (NOTE [ Spare segments ] in spares.py)
+        self._wait_fds = self._channel_fds + list(self._sentinel_of) + [self._ring.spare_wakeup_fd]
         self._reset(loader, first_iter=True)
 
     # -- epochs ------------------------------------------------------------------------------------
@@ -361,6 +364,7 @@ class _ShmLoaderIter(_BaseDataLoaderIter):
         plus received-but-not-yielded slots stay within num_workers × prefetch_factor, as torch's
         in-flight batches do; held batches are detached from the ring (NOTE [ Held batches ])."""
         owed = [0] * self._num_workers
+        waiting_for_spares = 0
         for worker_id in self._unreceived.values():
             owed[worker_id] += 1
             if owed[worker_id] > self._grant_quota or len(self._grants[worker_id]) >= owed[worker_id]:
@@ -371,7 +375,11 @@ class _ShmLoaderIter(_BaseDataLoaderIter):
                     continue
             elif not self._slot_available():
                 break
+            elif self._ring.should_wait_for_spare():  # NOTE [ Spare segments ] in spares.py
+                waiting_for_spares += 1
+                continue
             self._grant(worker_id, created_only=ahead)
+        self._ring.want_spares(waiting_for_spares)
         self._forget_retired()
 
     def _grant(self, worker_id: int, created_only: bool = False) -> None:
@@ -419,6 +427,7 @@ class _ShmLoaderIter(_BaseDataLoaderIter):
         if self._pinner is not None:
             self._pinner.pump()  # NOTE [ Release fence ] in cuda.py
         self._ring.collect_released()
+        self._ring.drain_spare_wakeups()
         self._grant_in_order()
 
     def _check_not_starved(self) -> None:
@@ -630,7 +639,7 @@ class _ShmLoaderIter(_BaseDataLoaderIter):
             ring_bytes=ring_stats.ring_bytes, held_segments=ring_stats.held_segments,
             held_bytes=ring_stats.held_bytes, reserved_bytes=ring_stats.reserved_bytes,
             in_use_bytes=ring_stats.in_use_bytes, detached=ring_stats.detached,
-            slot_grows=ring_stats.slot_grows, batches=self._batches,
+            slot_grows=ring_stats.slot_grows, made_ahead=ring_stats.made_ahead, batches=self._batches,
             in_place_bytes=self._in_place_bytes,
             control_bytes=sum(c.bytes_sent + c.bytes_received for c in self._channels),
             control_messages=sum(c.messages_sent + c.messages_received for c in self._channels),
