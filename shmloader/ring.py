@@ -88,8 +88,10 @@ def slot_capacity(needed: int, current: int, learnt: int) -> int:
     return page_round(max(needed + max(needed // 8, MIN_HEADROOM), current + current // 2))
 
 
-def create_segment(capacity: int, generation: int, what: str = "a ring slot") -> _ring.Segment:
-    """A new, reserved, mapped and already-unlinked slot segment of `capacity` bytes."""
+def create_segment(capacity: int, generation: int, what: str = "a ring slot",
+                   populate: bool = True) -> _ring.Segment:
+    """A new, reserved, mapped and already-unlinked slot segment of `capacity` bytes; mapped
+    without `populate` by a process that will touch little of it (the main process)."""
     capacity = page_round(max(capacity, _ring.HEADER_BYTES))
     free = shm_free_bytes()
     if capacity > free:  # fail before posix_fallocate briefly fills /dev/shm for everyone else
@@ -104,7 +106,7 @@ def create_segment(capacity: int, generation: int, what: str = "a ring slot") ->
     try:
         os.ftruncate(fd, capacity)
         _ring.reserve(fd, capacity)
-        segment = _ring.Segment(fd, capacity)
+        segment = _ring.Segment(fd, capacity, populate=populate)
     except OSError as exc:
         os.close(fd)
         if exc.errno in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG):
@@ -161,7 +163,7 @@ class Ring:
         self._slot_grows = 0
         self._made_ahead = 0
         self._closed = False
-        self._spares = SpareMaker(lambda capacity: create_segment(capacity, 0, "a spare ring slot"))
+        self._spares = SpareMaker(lambda capacity: create_segment(capacity, 0, "a spare ring slot", populate=False))
         self._spares_on = os.environ.get("SHMLOADER_SPARE_SLOTS", "1") != "0"  # NOTE [ Spare segments ]
         register_parent_only(self)
         if self.slot_bytes is not None:
