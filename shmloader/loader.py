@@ -46,7 +46,9 @@ from __future__ import annotations
 
 import collections
 import itertools
+import math
 import os
+import select
 import time
 import weakref
 from dataclasses import dataclass
@@ -222,6 +224,21 @@ class _Failure:
 _END = object()  # an iterable worker's stream is exhausted
 
 
+class _Poller:
+    """poll(2) over a fixed set of fds, registered once (multiprocessing.connection.wait builds
+    a selector per call, which costs more than the wait itself when the loop waits per batch).
+    Errors and hang-ups count as ready: reading then says what happened."""
+
+    def __init__(self, fds: list[int]):
+        self._poll = select.poll()
+        for fd in fds:
+            self._poll.register(fd, select.POLLIN)
+
+    def ready(self, timeout: float) -> list[int]:
+        """The fds readable (or hung up) within `timeout` seconds."""
+        return [fd for fd, _ in self._poll.poll(max(0, math.ceil(timeout * 1000)))]
+
+
 class _ShmLoaderIter(_BaseDataLoaderIter):
     def __init__(self, loader: ShmDataLoader) -> None:
         super().__init__(loader)
@@ -302,6 +319,8 @@ class _ShmLoaderIter(_BaseDataLoaderIter):
         self._sentinel_of = {p.sentinel: worker_id for worker_id, p in enumerate(self._workers)}
         # ... and the spare-segment thread's wake-ups (NOTE [ Spare segments ] in spares.py)
         self._wait_fds = self._channel_fds + list(self._sentinel_of) + [self._ring.spare_wakeup_fd]
+        self._everything = _Poller(self._wait_fds)  # polled at every wait and read-ahead, made once
+        self._messages = _Poller(self._channel_fds)
         self._reset(loader, first_iter=True)
 
     # -- epochs ------------------------------------------------------------------------------------
@@ -523,7 +542,7 @@ class _ShmLoaderIter(_BaseDataLoaderIter):
             self._replenish()
             self._check_not_starved()
             wait = POLL_SECONDS if deadline is None else max(0.0, min(POLL_SECONDS, deadline - time.monotonic()))
-            ready = mp_connection.wait(self._wait_fds, timeout=wait)
+            ready = self._everything.ready(wait)
             for fd in ready:
                 if fd in channel_of:
                     event = self._receive(*channel_of[fd])
@@ -551,7 +570,7 @@ class _ShmLoaderIter(_BaseDataLoaderIter):
         results are queued, in arrival order, for _wait_for_event."""
         channel_of = self._channel_of
         while True:
-            ready = mp_connection.wait(self._channel_fds, timeout=0)
+            ready = self._messages.ready(0)
             if not ready:
                 return
             for fd in ready:

@@ -37,6 +37,7 @@ class SpareMaker:
         self._want = 0
         self._making = 0
         self._capacity = 0
+        self._woken = False  # set by the thread before it writes a wake-up byte
         self._closed = False
         self.error: BaseException | None = None
         self._wake_read, self._wake_write = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
@@ -54,6 +55,8 @@ class SpareMaker:
     def want(self, count: int, capacity: int) -> None:
         """Keep `count` segments of `capacity` bytes ready or on their way (ready ones of another
         size are dropped)."""
+        if count == self._want and capacity == self._capacity:
+            return  # nothing new (called at every grant round: no lock, no wake-up)
         with self._cond:
             if capacity != self._capacity:
                 self._drop_ready()
@@ -62,7 +65,8 @@ class SpareMaker:
             if self._thread is None and count > 0 and self.usable:
                 self._thread = threading.Thread(target=self._run, name="shmloader-spare-slots", daemon=True)
                 self._thread.start()
-            self._cond.notify()
+            if count > len(self._ready) + self._making:
+                self._cond.notify()
 
     def pending(self) -> int:
         """Segments ready or being made."""
@@ -87,10 +91,12 @@ class SpareMaker:
             return sum(s.size for s in self._ready) + self._making * self._capacity
 
     def ready_count(self) -> int:
-        with self._cond:
-            return len(self._ready)
+        return len(self._ready)  # a deque's length: atomic under the GIL
 
     def drain_wakeups(self) -> None:
+        if not self._woken:
+            return
+        self._woken = False
         try:
             while os.read(self._wake_read, 4096):
                 pass
@@ -124,6 +130,7 @@ class SpareMaker:
             self._wake()
 
     def _wake(self) -> None:
+        self._woken = True
         try:
             os.write(self._wake_write, b"!")
         except (BlockingIOError, OSError):
