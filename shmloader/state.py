@@ -147,11 +147,17 @@ def _name(obj: Any) -> str | None:
     return None if obj is None else f"{type(obj).__module__}.{type(obj).__qualname__}"
 
 
-def _config(loader) -> dict:
+def _len(obj) -> int | None:
     try:
-        batches = len(loader._index_sampler) if loader._dataset_kind == _DatasetKind.Map else None
+        return len(obj)
     except TypeError:
-        batches = None
+        return None
+
+
+def _config(loader) -> dict:
+    """What a state depends on, beyond the state itself: a loader that differs in one of these
+    cannot resume it (`check`)."""
+    is_map = loader._dataset_kind == _DatasetKind.Map
     return {
         "dataset_kind": _KINDS[loader._dataset_kind],
         "num_workers": loader.num_workers,
@@ -159,7 +165,8 @@ def _config(loader) -> dict:
         "drop_last": loader.drop_last,
         "sampler": _name(loader.sampler),
         "batch_sampler": _name(loader.batch_sampler),
-        "batches_per_epoch": batches,
+        "sampler_length": _len(loader.sampler) if is_map else None,
+        "batches_per_epoch": _len(loader._index_sampler) if is_map else None,
         "sampler_generators": len(_sampler_generators(loader)),
     }
 
@@ -225,13 +232,19 @@ def _restore_sampler(it, loader, main: dict, rng: dict, single: bool) -> None:
         skip = 0 if isinstance(it._index_sampler, _InfiniteConstantSampler) else main["yielded"]
         if skip:
             next(itertools.islice(sampler_iter, skip - 1, None), None)
-        try:  # draw now, under the saved global RNG (a sampler without a generator seeds from it)
-            first = next(sampler_iter)
-        except StopIteration:
-            sampler_iter = iter(())
-        else:
-            sampler_iter = itertools.chain((first,), sampler_iter)
+        sampler_iter = _drawn(sampler_iter)  # under the saved global RNG
     it._sampler_iter = sampler_iter
+
+
+def _drawn(sampler_iter):
+    """`sampler_iter` with its first item drawn now: a sampler seeds its permutation at its first
+    item (torch's RandomSampler without a generator, from the global RNG), so this fixes it at a
+    point a replay can reproduce."""
+    try:
+        first = next(sampler_iter)
+    except StopIteration:
+        return iter(())
+    return itertools.chain((first,), sampler_iter)
 
 
 def check(saved: Any, loader) -> dict:
@@ -262,13 +275,14 @@ def check(saved: Any, loader) -> dict:
     workers = saved["workers"]
     per_worker = now["dataset_kind"] == "iterable" or any(w is not None for w in workers)
     for key in now:
-        if key == "num_workers" and not per_worker:
+        if key == "num_workers" and not per_worker and (was[key] == 0) == (now[key] == 0):
             continue  # a map-style dataset without state resumes under any number of workers
-        if key == "batches_per_epoch" and (was[key] is None or now[key] is None):
+        if key in ("sampler_length", "batches_per_epoch") and (was[key] is None or now[key] is None):
             continue
         if was[key] != now[key]:
             why = {
-                "num_workers": "each worker's dataset state is its own",
+                "num_workers": "each worker's dataset state is its own" if per_worker else
+                               "torch's in-process iterator draws its seed and sampler in another order",
                 "sampler_generators": "the sampler draws from a different number of generators",
             }.get(key, "the saved position would mean other samples")
             raise ValueError(
@@ -344,7 +358,9 @@ class IterState:
         """Before the first tasks are sent: resume a loaded state (sampler, turn, counters)."""
         self.len_called = it._IterableDataset_len_called
         saved, self.resume = self.resume, None
-        if saved is None or not first_iter:
+        if saved is None or not first_iter:  # the sampler's state at the epoch's start
+            self.main = {"yielded": 0, "index_sampler": _state_of(it._index_sampler),
+                         "sampler_iter": _state_of(it._sampler_iter)}
             return
         self._restore_main(it, loader, saved)
         if self.skip:
@@ -482,14 +498,17 @@ class SingleProcessIter(_SingleProcessDataLoaderIter):
         tracker.base_seed = self._base_seed
         tracker.len_called = self._IterableDataset_len_called
         saved, tracker.resume = tracker.resume, None
-        if saved is None:
-            return
-        self._base_seed = tracker.base_seed = saved["base_seed"]
-        tracker._restore_main(self, loader, saved)
-        if not tracker.skip:  # a fast-forward replays the stream from its start instead
-            worker = saved["workers"][0] if len(saved["workers"]) == 1 else None
-            self._dataset_fetcher = restore_dataset(self._dataset_kind, self._dataset, worker, self._new_fetcher)
-            tracker.workers = [worker]
+        if saved is not None:
+            self._base_seed = tracker.base_seed = saved["base_seed"]
+            tracker._restore_main(self, loader, saved)
+            if not tracker.skip:  # a fast-forward replays the stream from its start instead
+                worker = saved["workers"][0] if len(saved["workers"]) == 1 else None
+                self._dataset_fetcher = restore_dataset(self._dataset_kind, self._dataset, worker,
+                                                        self._new_fetcher)
+        elif not (is_stateful(self._index_sampler) or is_stateful(self._sampler_iter)):
+            self._sampler_iter = _drawn(self._sampler_iter)  # fixed now, as a worker iterator's is
+        if not tracker.skip:
+            tracker._take_single(self)  # the state at the start (or as loaded)
 
     def _new_fetcher(self):
         return _DatasetKind.create_fetcher(self._dataset_kind, self._dataset, self._auto_collation,
