@@ -120,7 +120,8 @@ def start_fetcher(worker, saved: dict | None) -> None:
 
 def send_batch_state(worker, epoch: int, idx: int) -> None:
     """worker.py's hook after a batch's samples are fetched (or the stream ended)."""
-    taken = capture(worker.spec.dataset_kind, worker.dataset, worker.fetcher)
+    fetcher = worker.fetcher
+    taken = capture(worker.spec.dataset_kind, fetcher.dataset, fetcher)
     if taken is not None:
         worker.channel.send(("state", epoch, idx, taken))
 
@@ -130,7 +131,7 @@ def send_epoch_state(worker, epoch: int) -> None:
     if worker.init_error is not None:
         return
     try:
-        taken = capture(worker.spec.dataset_kind, worker.dataset, worker.fetcher)
+        taken = capture(worker.spec.dataset_kind, worker.fetcher.dataset, worker.fetcher)
     except Exception as exc:  # reported with the next task, as a failed start is
         from .worker import exception_payload
 
