@@ -291,7 +291,7 @@ def check(saved: Any, loader) -> dict:
                 f"{key}={now[key]!r} ({why}); build the loader with the arguments that saved the "
                 "state, or start the epoch over without load_state_dict"
             )
-    if now["dataset_kind"] == "map" and any(w is not None and w["dataset"] is not None for w in workers):
+    if now["dataset_kind"] == "map-style" and any(w is not None and w["dataset"] is not None for w in workers):
         if not is_stateful(loader.dataset):
             raise ValueError(f"{where}: the state holds the dataset's state but this dataset "
                              f"({_name(loader.dataset)}) has no load_state_dict()")
@@ -387,6 +387,7 @@ class IterState:
                 f"loader fast-forwards by fetching and dropping {steps} batches. Implement them in "
                 "your IterableDataset or its iterator for a faster resume.", UserWarning, stacklevel=5)
             self.skip, self.loaded = steps, saved
+            self.yielded, self.main = 0, {"yielded": 0, "index_sampler": None, "sampler_iter": None}
             return
         it._num_yielded = self.steps = steps
         self.last_worker = saved["last_worker"]

@@ -110,3 +110,25 @@ class Indexed(Dataset):
 
     def __getitem__(self, i):
         return {"x": np.full(4, i, dtype=np.float64), "i": i}
+
+
+class CountingMap(Dataset):
+    """Map-style with a state of its own (torchdata saves a map-style dataset's state per worker):
+    it counts the samples it has served, and each sample carries the count."""
+
+    def __init__(self, n: int = 24):
+        self.n = n
+        self.served = 0
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        self.served += 1
+        return {"i": i, "served": self.served}
+
+    def state_dict(self):
+        return {"served": self.served}
+
+    def load_state_dict(self, state):
+        self.served = state["served"]

@@ -99,6 +99,15 @@ def test_iterable_dataset_resumes_like_torchdata(dataset, num_workers, persisten
                             saves=[(0, n_batches - 1), (1, 2)])
 
 
+@pytest.mark.parametrize(("num_workers", "persistent"), CONFIGS, ids=CONFIG_IDS)
+def test_map_style_dataset_state_resumes_like_torchdata(num_workers, persistent):
+    """A map-style dataset with state: each worker's, as torchdata keeps it."""
+    kwargs = dict(batch_size=3, num_workers=num_workers, persistent_workers=persistent)
+    check_against_torchdata(lambda: ShmDataLoader(sds.CountingMap(), **kwargs),
+                            lambda: StatefulDataLoader(sds.CountingMap(), **kwargs),
+                            saves=[(0, 3), (1, 4)])
+
+
 def test_state_after_the_last_batch_starts_the_next_epoch():
     """A state saved when the epoch had ended (StopIteration) resumes with the next epoch."""
     def make():
@@ -345,7 +354,10 @@ def test_torchdata_state_is_refused():
     (sds.Indexed, dict(dataset=sds.Indexed(51)), "sampler_length=50, this loader has sampler_length=51"),
     (sds.Indexed, dict(shuffle=True), "sampler='torch.utils.data.sampler.SequentialSampler', this loader "
                                       "has sampler='torch.utils.data.sampler.RandomSampler'"),
-], ids=["num_workers", "in-process", "batch_size", "dataset-kind", "map-in-process", "length", "shuffle"])
+    (sds.CountingMap, dict(num_workers=3), "num_workers=2, this loader has num_workers=3 .*own"),
+    (sds.CountingMap, dict(dataset=sds.Indexed(24)), "holds the dataset's state but this dataset"),
+], ids=["num_workers", "in-process", "batch_size", "dataset-kind", "map-in-process", "length", "shuffle",
+        "map-state-num_workers", "map-state-lost"])
 def test_a_differently_built_loader_is_refused(saved_with, change, message):
     state = saved_state(saved_with(), num_workers=2)
     kwargs = dict(dataset=saved_with(), batch_size=4, num_workers=2)
