@@ -38,11 +38,12 @@ import torch
 from torch.utils.data._utils import collate as torch_collate
 from torch.utils.data._utils import worker as torch_worker
 
-from . import layout, state
+from . import layout
 from .channel import Channel, ChannelClosed
 from .errors import SlotProtocolError
 from .ownership import close_parent_only_in_child
 from .ring import create_segment, slot_capacity
+from .state import send_batch_state, send_epoch_state, start_fetcher
 
 # How the batch is built in the worker.
 COLLATE_INTO_SLOT = "slot"  # collate_fn is torch's default_collate: rows written in place
@@ -280,7 +281,7 @@ class _Worker:
             if init_fn is not None:
                 init_fn(spec.worker_id)
             stage = self._enter(STARTING)
-            state.start_fetcher(self, spec.resume_state)
+            start_fetcher(self, spec.resume_state)
         except Exception as exc:
             self.init_error = (stage, exception_payload(exc))
         self._enter(IDLE)
@@ -317,7 +318,7 @@ class _Worker:
                         self._new_fetcher()
                     except Exception as exc:
                         self.init_error = ("starting the dataset (creating its iterator)", exception_payload(exc))
-                state.send_epoch_state(self, message[1])
+                send_epoch_state(self, message[1])
                 self._enter(IDLE)
                 self.channel.send(("resumed", message[1]))
             elif kind == "stop":
@@ -404,10 +405,10 @@ class _Worker:
                 if spec.dataset_kind != _DatasetKind.Iterable:
                     raise
                 self.ended = True
-                state.send_batch_state(self, epoch, idx)
+                send_batch_state(self, epoch, idx)
                 self.channel.send(("end", epoch, idx))
                 return
-            state.send_batch_state(self, epoch, idx)  # NOTE [ Resuming mid-epoch ] in state.py
+            send_batch_state(self, epoch, idx)  # NOTE [ Resuming mid-epoch ] in state.py
             if spec.collate_mode == COLLATE_CUSTOM:  # NOTE [ One copy for a numpy collate_fn ]
                 stage = self._enter(AWAITING_SLOT, idx)
                 grant = self._next_grant(idx)
