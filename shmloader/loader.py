@@ -60,7 +60,7 @@ from torch.utils.data import DataLoader
 from torch.utils.data._utils import collate as torch_collate
 from torch.utils.data.dataloader import _BaseDataLoaderIter
 
-from . import layout
+from . import layout, state
 from .channel import Channel, ChannelClosed
 from .crashlog import CrashLog
 from .errors import (
@@ -168,15 +168,26 @@ class ShmDataLoader(DataLoader[_T_co]):
     def __iter__(self):
         if getattr(self._iterator, "_shutdown", False):
             self._iterator = None  # a persistent iterator shut down by an error: start afresh
-        return super().__iter__()
+        return state.start_epoch(self, super().__iter__)  # NOTE [ Resuming mid-epoch ] in state.py
 
     def _get_iterator(self):
         if self.num_workers == 0:
-            return super()._get_iterator()  # in-process: nothing to transport
+            return state.SingleProcessIter(self)  # in-process (torch's, resumable): nothing to transport
         self.check_worker_number_rationality()
         iterator = _ShmLoaderIter(self)
         self._last_iterator = weakref.ref(iterator)
         return iterator
+
+    def state_dict(self) -> dict:
+        """Where the loader is in its epoch, to resume there later with load_state_dict(), in this
+        process or another (torchdata's StatefulDataLoader contract; NOTE [ Resuming mid-epoch ]
+        in state.py).  Before any iteration it starts the iterator that the next iter() uses."""
+        return state.loader_state_dict(self)
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Make the next iter() resume from `state_dict` (from state_dict() of a loader built with
+        the same arguments); a state it cannot resume from is a ValueError saying why."""
+        state.load_loader_state(self, state_dict)
 
     def stats(self) -> LoaderStats | None:
         """The ring and control-channel figures of the latest iterator (None before the first)."""
@@ -242,6 +253,7 @@ class _Poller:
 class _ShmLoaderIter(_BaseDataLoaderIter):
     def __init__(self, loader: ShmDataLoader) -> None:
         super().__init__(loader)
+        self._resumable = state.IterState.attach(self, loader)  # a loaded state's seed, before the workers start
         self._prefetch_factor = loader.prefetch_factor
         # torch's own check (an AssertionError there too); without it no task is ever sent
         assert self._prefetch_factor > 0, "prefetch_factor must be greater than 0"
@@ -301,7 +313,7 @@ class _ShmLoaderIter(_BaseDataLoaderIter):
                     dataset_kind=self._dataset_kind, auto_collation=self._auto_collation,
                     collate_mode=mode, drop_last=self._drop_last, payload=payload,
                     main_pid=os.getpid(), forked=start_method == "fork",
-                    ring_depth=self._ring.depth,
+                    ring_depth=self._ring.depth, resume_state=self._resumable.worker_resume(worker_id),
                 )
                 process = context.Process(target=worker_main, args=(spec, child_sock),
                                           name=f"shmloader-worker-{worker_id}", daemon=True)
@@ -326,6 +338,7 @@ class _ShmLoaderIter(_BaseDataLoaderIter):
     # -- epochs ------------------------------------------------------------------------------------
 
     def _reset(self, loader, first_iter=False) -> None:
+        self._resumable.before_epoch(loader, first_iter)  # the RNG states the sampler starts from
         super()._reset(loader, first_iter)
         self._send_idx = 0
         self._rcvd_idx = 0
@@ -343,10 +356,16 @@ class _ShmLoaderIter(_BaseDataLoaderIter):
             # Stale results of the last epoch arrive before each worker's "resumed" and free
             # their slots here.
             self._wait_for_event(until=lambda: self._resumed >= self._num_workers)
+        self._resumable.before_prime(self, loader, first_iter)  # resume a loaded state
         for _ in range(self._prefetch_factor * self._num_workers):
             self._try_put_index()
 
     # -- dispatch ----------------------------------------------------------------------------------
+
+    def _next_index(self):
+        index = super()._next_index()
+        self._resumable.on_index(self)  # the sampler's position as of this task
+        return index
 
     def _try_put_index(self) -> None:
         max_tasks = self._prefetch_factor * self._num_workers
@@ -462,6 +481,9 @@ class _ShmLoaderIter(_BaseDataLoaderIter):
 
     # -- the next batch ------------------------------------------------------------------------------
 
+    def __next__(self):
+        return self._resumable.next(self, super().__next__)  # a pending fast-forward, the epoch's end
+
     def _next_data(self):
         if self._shutdown:  # NOTE [ Shutdown ]: ended (StopIteration) or broken (raise again)
             if self._broken is not None:
@@ -526,6 +548,7 @@ class _ShmLoaderIter(_BaseDataLoaderIter):
         self._try_put_index()
         if not isinstance(data, _Failure):
             self._batches += 1
+        self._resumable.on_delivered(self._rcvd_idx - 1, worker_id, not isinstance(data, _Failure))
         return data
 
     # -- waiting on workers ----------------------------------------------------------------------
@@ -598,6 +621,9 @@ class _ShmLoaderIter(_BaseDataLoaderIter):
             except BaseException as exc:
                 self._break(exc)
                 raise
+        if kind == "state":  # a worker's dataset state after a batch (NOTE [ Resuming mid-epoch ])
+            self._resumable.on_worker_state(self, worker_id, message)
+            return None
         epoch, idx = message[1], message[2]
         self._unreceived.pop((epoch, idx), None)
         if kind == "ready":

@@ -44,6 +44,7 @@ from .channel import Channel, ChannelClosed
 from .errors import SlotProtocolError
 from .ownership import close_parent_only_in_child
 from .ring import create_segment, slot_capacity
+from .state import send_batch_state, send_epoch_state, start_fetcher
 
 # How the batch is built in the worker.
 COLLATE_INTO_SLOT = "slot"  # collate_fn is torch's default_collate: rows written in place
@@ -133,6 +134,7 @@ class WorkerSpec:
     main_pid: int
     forked: bool
     ring_depth: int
+    resume_state: Any = None  # this worker's part of a loaded state (NOTE [ Resuming mid-epoch ])
 
 
 def exception_payload(exc: BaseException) -> tuple:
@@ -288,7 +290,7 @@ class _Worker:
             if init_fn is not None:
                 init_fn(spec.worker_id)
             stage = self._enter(STARTING)
-            self._new_fetcher()
+            start_fetcher(self, spec.resume_state)
         except Exception as exc:
             self.init_error = (stage, exception_payload(exc))
         self._enter(IDLE)
@@ -325,6 +327,7 @@ class _Worker:
                         self._new_fetcher()
                     except Exception as exc:
                         self.init_error = ("starting the dataset (creating its iterator)", exception_payload(exc))
+                send_epoch_state(self, message[1])
                 self._enter(IDLE)
                 self.channel.send(("resumed", message[1]))
             elif kind == "stop":
@@ -411,8 +414,10 @@ class _Worker:
                 if spec.dataset_kind != _DatasetKind.Iterable:
                     raise
                 self.ended = True
+                send_batch_state(self, epoch, idx)
                 self.channel.send(("end", epoch, idx))
                 return
+            send_batch_state(self, epoch, idx)  # NOTE [ Resuming mid-epoch ] in state.py
             if spec.collate_mode == COLLATE_CUSTOM:  # NOTE [ One copy for a numpy collate_fn ]
                 stage = self._enter(AWAITING_SLOT, idx)
                 grant = self._next_grant(idx)
