@@ -2,6 +2,7 @@
 
 from ._version import __version__
 from .accelerate import accelerate_prepare
+from .arena import empty_tensor
 from .cuda import CudaUnavailableError
 from .errors import (
     BatchShapeError,
@@ -24,6 +25,7 @@ __all__ = [
     "LoaderStats",
     "CudaPrefetcher",
     "accelerate_prepare",
+    "empty_tensor",
     "CudaUnavailableError",
     "ShmLoaderError",
     "WorkerDiedError",

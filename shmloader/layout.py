@@ -261,23 +261,35 @@ class _Planner(pickle.Pickler):
         self.end = start
         self.arena = arena
         # leaves described where they are: id -> (offset, end, the array, kept so ids stay unique)
-        self.in_place: dict[int, tuple[int, int, np.ndarray]] = {}
+        self.in_place: dict[int, tuple[int, int, object]] = {}
 
     def _in_slot(self, array: np.ndarray) -> int | None:
-        """The slot offset of a contiguous array born in the arena, unless another array
+        """The slot offset of a contiguous array born in the arena, unless another leaf
         described in place shares bytes with it (torch would deliver separate copies: the
         copy path does too).  The same array met twice keeps its offset."""
         if self.arena is None or array.nbytes == 0 or not (array.flags.c_contiguous or array.flags.f_contiguous):
             return None
-        if id(array) in self.in_place:
-            return self.in_place[id(array)][0]
-        offset = self.arena.offset_of(array.__array_interface__["data"][0], array.nbytes)
+        return self._in_slot_bytes(array, array.__array_interface__["data"][0], array.nbytes)
+
+    def _tensor_in_slot(self, leaf: torch.Tensor, tensor: torch.Tensor) -> int | None:
+        """The same for a contiguous CPU tensor whose storage was born in the arena (a
+        torch.stack / torch.cat in the collate_fn, NOTE [ One copy for a numpy collate_fn ]);
+        `tensor` is `leaf` with its conj/neg bits resolved (a copy, then not in the arena)."""
+        nbytes = tensor.numel() * tensor.element_size()
+        if self.arena is None or nbytes == 0 or not tensor.is_contiguous():
+            return None
+        return self._in_slot_bytes(leaf, tensor.data_ptr(), nbytes)
+
+    def _in_slot_bytes(self, leaf, address: int, nbytes: int) -> int | None:
+        if id(leaf) in self.in_place:
+            return self.in_place[id(leaf)][0]
+        offset = self.arena.offset_of(address, nbytes)
         if offset is None or offset % ALIGN:
             return None
-        end = offset + array.nbytes
+        end = offset + nbytes
         if any(offset < other_end and other_start < end for other_start, other_end, _ in self.in_place.values()):
             return None
-        self.in_place[id(array)] = (offset, end, array)
+        self.in_place[id(leaf)] = (offset, end, leaf)  # the leaf is kept, so its id stays unique
         return offset
 
     def _place(self, nbytes: int, leaf) -> int:
@@ -302,7 +314,9 @@ class _Planner(pickle.Pickler):
             source = obj.detach().resolve_conj().resolve_neg()
             shape = tuple(source.shape)
             if source.is_contiguous():
-                offset = self._place(source.numel() * source.element_size(), source)
+                offset = self._tensor_in_slot(obj, source)
+                if offset is None:
+                    offset = self._place(source.numel() * source.element_size(), source)
                 return ("t", offset, obj.dtype, shape, obj.requires_grad)
             # torch's DataLoader keeps a view's strides: send the bytes from its first element to its last
             stride = source.stride()

@@ -46,7 +46,9 @@ from __future__ import annotations
 
 import collections
 import itertools
+import math
 import os
+import select
 import time
 import weakref
 from dataclasses import dataclass
@@ -58,7 +60,7 @@ from torch.utils.data import DataLoader
 from torch.utils.data._utils import collate as torch_collate
 from torch.utils.data.dataloader import _BaseDataLoaderIter
 
-from . import diagnosis, layout
+from . import diagnosis, layout, state
 from .channel import Channel, ChannelClosed
 from .crashlog import CrashLog
 from .errors import (
@@ -100,7 +102,8 @@ class LoaderStats:
     detached from the ring for batches the training loop holds, still alive;
     reserved_bytes: all shared memory reserved now (ring + held); in_use_bytes: of which hold a
     batch now (being written, waiting, or held); detached: slots handed over to held batches so
-    far; slot_grows: slots replaced by a larger segment so far; in_place_bytes: array bytes that a
+    far; slot_grows: slots replaced by a larger segment so far; made_ahead: slot segments made
+    ahead of need, off the workers' path (NOTE [ Spare segments ] in spares.py); in_place_bytes: array bytes that a
     numpy collate_fn built in their slot, so that no copy was made (NOTE [ One copy for a numpy
     collate_fn ] in worker.py); timing: where the time goes and the verdict (diagnosis.py;
     None with SHMLOADER_TIMING=0).  print() it for a table, as_dict() for logging."""
@@ -114,6 +117,7 @@ class LoaderStats:
     in_use_bytes: int
     detached: int
     slot_grows: int
+    made_ahead: int
     batches: int
     in_place_bytes: int
     control_bytes: int
@@ -179,15 +183,26 @@ class ShmDataLoader(DataLoader[_T_co]):
     def __iter__(self):
         if getattr(self._iterator, "_shutdown", False):
             self._iterator = None  # a persistent iterator shut down by an error: start afresh
-        return super().__iter__()
+        return state.start_epoch(self, super().__iter__)  # NOTE [ Resuming mid-epoch ] in state.py
 
     def _get_iterator(self):
         if self.num_workers == 0:
-            return super()._get_iterator()  # in-process: nothing to transport
+            return state.SingleProcessIter(self)  # in-process (torch's, resumable): nothing to transport
         self.check_worker_number_rationality()
         iterator = _ShmLoaderIter(self)
         self._last_iterator = weakref.ref(iterator)
         return iterator
+
+    def state_dict(self) -> dict:
+        """Where the loader is in its epoch, to resume there later with load_state_dict(), in this
+        process or another (torchdata's StatefulDataLoader contract; NOTE [ Resuming mid-epoch ]
+        in state.py).  Before any iteration it starts the iterator that the next iter() uses."""
+        return state.loader_state_dict(self)
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Make the next iter() resume from `state_dict` (from state_dict() of a loader built with
+        the same arguments); a state it cannot resume from is a ValueError saying why."""
+        state.load_loader_state(self, state_dict)
 
     def stats(self) -> LoaderStats | None:
         """The ring and control-channel figures of the latest iterator (None before the first)."""
@@ -235,9 +250,25 @@ class _Failure:
 _END = object()  # an iterable worker's stream is exhausted
 
 
+class _Poller:
+    """poll(2) over a fixed set of fds, registered once (multiprocessing.connection.wait builds
+    a selector per call, which costs more than the wait itself when the loop waits per batch).
+    Errors and hang-ups count as ready: reading then says what happened."""
+
+    def __init__(self, fds: list[int]):
+        self._poll = select.poll()
+        for fd in fds:
+            self._poll.register(fd, select.POLLIN)
+
+    def ready(self, timeout: float) -> list[int]:
+        """The fds readable (or hung up) within `timeout` seconds."""
+        return [fd for fd, _ in self._poll.poll(max(0, math.ceil(timeout * 1000)))]
+
+
 class _ShmLoaderIter(_BaseDataLoaderIter):
     def __init__(self, loader: ShmDataLoader) -> None:
         super().__init__(loader)
+        self._resumable = state.IterState.attach(self, loader)  # a loaded state's seed, before the workers start
         self._prefetch_factor = loader.prefetch_factor
         # torch's own check (an AssertionError there too); without it no task is ever sent
         assert self._prefetch_factor > 0, "prefetch_factor must be greater than 0"
@@ -299,7 +330,7 @@ class _ShmLoaderIter(_BaseDataLoaderIter):
                     dataset_kind=self._dataset_kind, auto_collation=self._auto_collation,
                     collate_mode=mode, drop_last=self._drop_last, payload=payload,
                     main_pid=os.getpid(), forked=start_method == "fork",
-                    ring_depth=self._ring.depth,
+                    ring_depth=self._ring.depth, resume_state=self._resumable.worker_resume(worker_id),
                 )
                 process = context.Process(target=worker_main, args=(spec, child_sock),
                                           name=f"shmloader-worker-{worker_id}", daemon=True)
@@ -315,12 +346,16 @@ class _ShmLoaderIter(_BaseDataLoaderIter):
         self._channel_of = {c.fileno(): (worker_id, c) for worker_id, c in enumerate(self._channels)}
         self._channel_fds = list(self._channel_of)
         self._sentinel_of = {p.sentinel: worker_id for worker_id, p in enumerate(self._workers)}
-        self._wait_fds = self._channel_fds + list(self._sentinel_of)
+        # ... and the spare-segment thread's wake-ups (NOTE [ Spare segments ] in spares.py)
+        self._wait_fds = self._channel_fds + list(self._sentinel_of) + [self._ring.spare_wakeup_fd]
+        self._everything = _Poller(self._wait_fds)  # polled at every wait and read-ahead, made once
+        self._messages = _Poller(self._channel_fds)
         self._reset(loader, first_iter=True)
 
     # -- epochs ------------------------------------------------------------------------------------
 
     def _reset(self, loader, first_iter=False) -> None:
+        self._resumable.before_epoch(loader, first_iter)  # the RNG states the sampler starts from
         super()._reset(loader, first_iter)
         self._clock.new_epoch()
         self._send_idx = 0
@@ -339,10 +374,16 @@ class _ShmLoaderIter(_BaseDataLoaderIter):
             # Stale results of the last epoch arrive before each worker's "resumed" and free
             # their slots here.
             self._wait_for_event(until=lambda: self._resumed >= self._num_workers)
+        self._resumable.before_prime(self, loader, first_iter)  # resume a loaded state
         for _ in range(self._prefetch_factor * self._num_workers):
             self._try_put_index()
 
     # -- dispatch ----------------------------------------------------------------------------------
+
+    def _next_index(self):
+        index = super()._next_index()
+        self._resumable.on_index(self)  # the sampler's position as of this task
+        return index
 
     def _try_put_index(self) -> None:
         max_tasks = self._prefetch_factor * self._num_workers
@@ -379,6 +420,7 @@ class _ShmLoaderIter(_BaseDataLoaderIter):
         plus received-but-not-yielded slots stay within num_workers × prefetch_factor, as torch's
         in-flight batches do; held batches are detached from the ring (NOTE [ Held batches ])."""
         owed = [0] * self._num_workers
+        waiting_for_spares = 0
         for worker_id in self._unreceived.values():
             owed[worker_id] += 1
             if owed[worker_id] > self._grant_quota or len(self._grants[worker_id]) >= owed[worker_id]:
@@ -389,7 +431,11 @@ class _ShmLoaderIter(_BaseDataLoaderIter):
                     continue
             elif not self._slot_available():
                 break
+            elif self._ring.should_wait_for_spare():  # NOTE [ Spare segments ] in spares.py
+                waiting_for_spares += 1
+                continue
             self._grant(worker_id, created_only=ahead)
+        self._ring.want_spares(waiting_for_spares)
         self._forget_retired()
 
     def _grant(self, worker_id: int, created_only: bool = False) -> None:
@@ -437,6 +483,7 @@ class _ShmLoaderIter(_BaseDataLoaderIter):
         if self._pinner is not None:
             self._pinner.pump()  # NOTE [ Release fence ] in cuda.py
         self._ring.collect_released()
+        self._ring.drain_spare_wakeups()
         self._grant_in_order()
 
     def _check_not_starved(self) -> None:
@@ -451,6 +498,9 @@ class _ShmLoaderIter(_BaseDataLoaderIter):
         self._grant_in_order()
 
     # -- the next batch ------------------------------------------------------------------------------
+
+    def __next__(self):
+        return self._resumable.next(self, super().__next__)  # a pending fast-forward, the epoch's end
 
     def _next_data(self):
         if self._shutdown:  # NOTE [ Shutdown ]: ended (StopIteration) or broken (raise again)
@@ -518,6 +568,7 @@ class _ShmLoaderIter(_BaseDataLoaderIter):
         self._try_put_index()
         if not isinstance(data, _Failure):
             self._batches += 1
+        self._resumable.on_delivered(self._rcvd_idx - 1, worker_id, not isinstance(data, _Failure))
         return data
 
     # -- waiting on workers ----------------------------------------------------------------------
@@ -534,7 +585,7 @@ class _ShmLoaderIter(_BaseDataLoaderIter):
             self._replenish()
             self._check_not_starved()
             wait = POLL_SECONDS if deadline is None else max(0.0, min(POLL_SECONDS, deadline - time.monotonic()))
-            ready = mp_connection.wait(self._wait_fds, timeout=wait)
+            ready = self._everything.ready(wait)
             for fd in ready:
                 if fd in channel_of:
                     event = self._receive(*channel_of[fd])
@@ -562,7 +613,7 @@ class _ShmLoaderIter(_BaseDataLoaderIter):
         results are queued, in arrival order, for _wait_for_event."""
         channel_of = self._channel_of
         while True:
-            ready = mp_connection.wait(self._channel_fds, timeout=0)
+            ready = self._messages.ready(0)
             if not ready:
                 return
             for fd in ready:
@@ -590,6 +641,9 @@ class _ShmLoaderIter(_BaseDataLoaderIter):
             except BaseException as exc:
                 self._break(exc)
                 raise
+        if kind == "state":  # a worker's dataset state after a batch (NOTE [ Resuming mid-epoch ])
+            self._resumable.on_worker_state(self, worker_id, message)
+            return None
         epoch, idx = message[1], message[2]
         self._unreceived.pop((epoch, idx), None)
         if kind == "ready":
@@ -650,7 +704,7 @@ class _ShmLoaderIter(_BaseDataLoaderIter):
             ring_bytes=ring_stats.ring_bytes, held_segments=ring_stats.held_segments,
             held_bytes=ring_stats.held_bytes, reserved_bytes=ring_stats.reserved_bytes,
             in_use_bytes=ring_stats.in_use_bytes, detached=ring_stats.detached,
-            slot_grows=ring_stats.slot_grows, batches=self._batches,
+            slot_grows=ring_stats.slot_grows, made_ahead=ring_stats.made_ahead, batches=self._batches,
             in_place_bytes=self._in_place_bytes,
             control_bytes=sum(c.bytes_sent + c.bytes_received for c in self._channels),
             control_messages=sum(c.messages_sent + c.messages_received for c in self._channels),

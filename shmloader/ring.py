@@ -56,6 +56,7 @@ import posix_ipc
 from . import _ring
 from .errors import RingFullError, ShmCapacityError, SlotProtocolError
 from .ownership import register_parent_only
+from .spares import SpareMaker
 
 SHM_DIR = "/dev/shm"
 PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -87,8 +88,10 @@ def slot_capacity(needed: int, current: int, learnt: int) -> int:
     return page_round(max(needed + max(needed // 8, MIN_HEADROOM), current + current // 2))
 
 
-def create_segment(capacity: int, generation: int, what: str = "a ring slot") -> _ring.Segment:
-    """A new, reserved, mapped and already-unlinked slot segment of `capacity` bytes."""
+def create_segment(capacity: int, generation: int, what: str = "a ring slot",
+                   populate: bool = True) -> _ring.Segment:
+    """A new, reserved, mapped and already-unlinked slot segment of `capacity` bytes; mapped
+    without `populate` by a process that will touch little of it (the main process)."""
     capacity = page_round(max(capacity, _ring.HEADER_BYTES))
     free = shm_free_bytes()
     if capacity > free:  # fail before posix_fallocate briefly fills /dev/shm for everyone else
@@ -103,7 +106,7 @@ def create_segment(capacity: int, generation: int, what: str = "a ring slot") ->
     try:
         os.ftruncate(fd, capacity)
         _ring.reserve(fd, capacity)
-        segment = _ring.Segment(fd, capacity)
+        segment = _ring.Segment(fd, capacity, populate=populate)
     except OSError as exc:
         os.close(fd)
         if exc.errno in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG):
@@ -118,12 +121,13 @@ class RingStats:
     slots: int  # the ring's working depth (NOTE [ Ring size ])
     allocated_slots: int  # of which have a segment
     slot_bytes: int
-    ring_bytes: int  # bytes of the ring's own segments
+    ring_bytes: int  # bytes of the ring's own segments (spares made ahead of need included)
     held_segments: int  # detached segments still alive: batches held past the ring
     held_bytes: int
     in_use_bytes: int  # bytes of segments that hold a batch now (granted, leased or detached)
     detached: int  # slots handed over to held batches so far (NOTE [ Held batches ])
     slot_grows: int
+    made_ahead: int  # segments made by the spare thread and installed (NOTE [ Spare segments ])
 
     @property
     def reserved_bytes(self) -> int:
@@ -157,7 +161,10 @@ class Ring:
         self._retired: list[tuple[int, int]] = []  # (slot, generation) no process should map now
         self._detached = 0
         self._slot_grows = 0
+        self._made_ahead = 0
         self._closed = False
+        self._spares = SpareMaker(lambda capacity: create_segment(capacity, 0, "a spare ring slot", populate=False))
+        self._spares_on = os.environ.get("SHMLOADER_SPARE_SLOTS", "1") != "0"  # NOTE [ Spare segments ]
         register_parent_only(self)
         if self.slot_bytes is not None:
             self._check_fits()
@@ -188,10 +195,13 @@ class Ring:
         return len(self._segments)
 
     def _live(self) -> tuple[int, int]:
-        """(segments, bytes) alive now: the ring's created slots and the held ones."""
+        """(segments, bytes) alive now: the ring's created slots, the held ones and the spares
+        ready or being made."""
         ring = self.segments()
         held = list(self._held_segments)
-        return len(ring) + len(held), sum(s.size for s in ring) + sum(s.size for s in held)
+        spares = self._spares.pending()
+        return (len(ring) + len(held) + spares,
+                sum(s.size for s in ring) + sum(s.size for s in held) + spares * (self.slot_bytes or 0))
 
     def _may_add_segment(self) -> bool:
         """Whether one more segment stays within the user's cap (always, without one)."""
@@ -211,7 +221,7 @@ class Ring:
         self.collect_released()
         if self.has_free_created_slot():
             return True
-        return bool(self._free or self._leased) and self._may_add_segment()
+        return bool(self._free or self._leased) and (self._spares.ready_count() > 0 or self._may_add_segment())
 
     def has_free_created_slot(self) -> bool:
         self.collect_released()
@@ -222,23 +232,61 @@ class Ring:
         (NOTE [ Held batches ]).
 
         Prefers a slot the receiving worker has mapped already (`prefer`: slot -> generation it
-        knows), then one not created yet, so each worker maps few slots (each mapping costs page
-        table set-up for the whole slot); `created_only` never picks a slot still to be created."""
+        knows), then any created one (mapping a segment costs far less than creating one), then
+        one to be created, with a spare segment installed in it if one is ready
+        (NOTE [ Spare segments ] in spares.py); `created_only` never picks a slot without one."""
         self.collect_released()
         prefer = prefer or {}
         created = [s for s in self._free if self._segments[s] is not None]
         known = [s for s in created if prefer.get(s) == self._generations[s]]
         order = known + created
-        if not created_only and self._may_add_segment():
+        if not order and not created_only and (self._spares.ready_count() > 0 or self._may_add_segment()):
             if not self._free and self._leased:
                 self._detach(next(iter(self._leased)))
-            order = known + [s for s in self._free if self._segments[s] is None] + created
+            order = list(self._free)
         if not order:
             raise RingFullError(self._full_message())
         chosen = order[0]
+        if self._segments[chosen] is None and self.slot_bytes:
+            spare = self._spares.take(self.slot_bytes)
+            if spare is not None:
+                spare.init_header(self._generations[chosen])
+                self._segments[chosen] = spare
+                self._made_ahead += 1
         self._free.remove(chosen)
         self._states[chosen] = _DISPATCHED
         return chosen
+
+    def should_wait_for_spare(self) -> bool:
+        """Whether a grant that would hand a worker a slot to create should rather wait for a
+        spare segment made off its path (NOTE [ Spare segments ] in spares.py)."""
+        if not self._spares_on or not self._spares.usable or not self.slot_bytes:
+            return False
+        if self.has_free_created_slot() or self._spares.ready_count():
+            return False
+        return bool(self._free or self._leased) and self._may_add_segment()
+
+    def want_spares(self, count: int) -> None:
+        """Keep `count` spare segments on their way (the grants waiting for one), as far as the
+        user's cap allows: spares count against it from the moment they are asked for."""
+        if not self._spares_on or not self.slot_bytes or self._closed:
+            return
+        if self.max_slots is not None or self.max_bytes is not None:
+            live, nbytes = self._live()
+            room = count
+            if self.max_slots is not None:
+                room = min(room, self.max_slots - live)
+            if self.max_bytes is not None:
+                room = min(room, (self.max_bytes - nbytes) // self.slot_bytes)
+            count = min(count, self._spares.pending() + max(0, room))
+        self._spares.want(count, self.slot_bytes)
+
+    @property
+    def spare_wakeup_fd(self) -> int:
+        return self._spares.wakeup_fd
+
+    def drain_spare_wakeups(self) -> None:
+        self._spares.drain_wakeups()
 
     def _detach(self, slot: int) -> None:
         """Leave a leased slot's segment to its batch alone; the slot starts a new generation."""
@@ -402,12 +450,13 @@ class Ring:
             slots=self.depth,
             allocated_slots=len(allocated),
             slot_bytes=self.slot_bytes or 0,
-            ring_bytes=sum(s.size for s in allocated),
+            ring_bytes=sum(s.size for s in allocated) + self._spares.reserved_bytes(),
             held_segments=len(held),
             held_bytes=held_bytes,
             in_use_bytes=busy + held_bytes,
             detached=self._detached,
             slot_grows=self._slot_grows,
+            made_ahead=self._made_ahead,
         )
 
     # -- teardown ----------------------------------------------------------------------------
@@ -418,6 +467,7 @@ class Ring:
         if self._closed:
             return
         self._closed = True
+        self._spares.close()
         for segment in self._segments:
             if segment is not None:
                 segment.close_fd()

@@ -39,10 +39,12 @@ from torch.utils.data._utils import collate as torch_collate
 from torch.utils.data._utils import worker as torch_worker
 
 from . import layout
+from .arena import SlotTensorMode, empty_tensor
 from .channel import Channel, ChannelClosed
 from .errors import SlotProtocolError
 from .ownership import close_parent_only_in_child
 from .ring import create_segment, slot_capacity
+from .state import send_batch_state, send_epoch_state, start_fetcher
 from .timing import MAX_STAGES, STATUS_BLOCK_BYTES, stage_clock
 
 # How the batch is built in the worker.
@@ -56,8 +58,10 @@ COLLATE_CUSTOM = "custom"  # the user's collate_fn, output copied once (or born 
 #   allocations of at least ARENA_MIN_BYTES from that slot (csrc/arena.h; a slot with no segment
 #   yet gets one first, at the ring's learnt size), so np.stack / np.concatenate / np.empty-then-fill build the
 #   batch's arrays in the slot itself; the layout describes such leaves where they are instead
-#   of copying them.  Smaller allocations, torch tensors and everything made outside the call
-#   come from the heap and are copied once, as before.  If the collate_fn keeps an array born in
+#   of copying them.  torch.stack / torch.cat (and torch's default_collate called inside a
+#   collate_fn) get an out= tensor over such a block (arena.py), and `shmloader.empty_tensor`
+#   is the explicit form.  Smaller allocations, other torch tensors and everything made outside
+#   the call come from the heap and are copied once, as before.  If the collate_fn keeps an array born in
 #   the slot (a cache) past the batch, the slot is left to it and the batch is moved to a fresh
 #   segment (`_move_batch`), so a kept array never shares bytes with a slot written again.
 #   SHMLOADER_SLOT_ARENA=0 turns it off.
@@ -133,6 +137,7 @@ class WorkerSpec:
     main_pid: int
     forked: bool
     ring_depth: int
+    resume_state: Any = None  # this worker's part of a loaded state (NOTE [ Resuming mid-epoch ])
 
 
 def exception_payload(exc: BaseException) -> tuple:
@@ -153,8 +158,14 @@ def _collate_tensors_without_shm(batch, *, collate_fn_map=None):
     elem = batch[0]
     if elem.is_nested or elem.layout != torch.strided:
         return _TORCH_COLLATE_TENSOR(batch, collate_fn_map=collate_fn_map)
-    # out= as torch's worker does: the batch takes elem's dtype (no type promotion)
-    return torch.stack(batch, 0, out=elem.new_empty((len(batch), *elem.shape)))
+    # out= as torch's worker does: the batch takes elem's dtype (no type promotion); a plain
+    # tensor's out= is born in the slot while a collate_fn's arena is open (arena.py)
+    shape = (len(batch), *elem.shape)
+    if type(elem) is torch.Tensor and elem.device.type == "cpu":
+        out = empty_tensor(shape, elem.dtype)
+    else:
+        out = elem.new_empty(shape)
+    return torch.stack(batch, 0, out=out)
 
 
 _TORCH_COLLATE_TENSOR = torch_collate.default_collate_fn_map[torch.Tensor]
@@ -285,7 +296,7 @@ class _Worker:
             if init_fn is not None:
                 init_fn(spec.worker_id)
             stage = self._enter(STARTING)
-            self._new_fetcher()
+            start_fetcher(self, spec.resume_state)
         except Exception as exc:
             self.init_error = (stage, exception_payload(exc))
         self._enter(IDLE)
@@ -322,6 +333,7 @@ class _Worker:
                         self._new_fetcher()
                     except Exception as exc:
                         self.init_error = ("starting the dataset (creating its iterator)", exception_payload(exc))
+                send_epoch_state(self, message[1])
                 self._enter(IDLE)
                 self.channel.send(("resumed", message[1]))
             elif kind == "stop":
@@ -408,8 +420,10 @@ class _Worker:
                 if spec.dataset_kind != _DatasetKind.Iterable:
                     raise
                 self.ended = True
+                send_batch_state(self, epoch, idx)
                 self.channel.send(("end", epoch, idx))
                 return
+            send_batch_state(self, epoch, idx)  # NOTE [ Resuming mid-epoch ] in state.py
             if spec.collate_mode == COLLATE_CUSTOM:  # NOTE [ One copy for a numpy collate_fn ]
                 stage = self._enter(AWAITING_SLOT, idx)
                 grant = self._next_grant(idx)
@@ -421,7 +435,7 @@ class _Worker:
                 batch = torch_collate.default_convert(samples)
             else:
                 if arena is not None:
-                    with arena:
+                    with arena, SlotTensorMode(ARENA_MIN_BYTES):
                         batch = self.collate_fn(samples)
                 else:
                     batch = self.collate_fn(samples)

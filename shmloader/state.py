@@ -1,0 +1,568 @@
+"""Resuming mid-epoch: `ShmDataLoader.state_dict()` / `load_state_dict()`, with the contract of
+torchdata's `StatefulDataLoader`.
+
+NOTE [ Resuming mid-epoch ]
+  A state saved after k batches of an epoch, loaded into a loader built the same way (in a fresh
+  process too) and iterated, yields the batches an uninterrupted run yields after batch k: the
+  rest of that epoch, then the following epochs.  What it holds, and where each part comes from:
+
+  * the sampler's position, as of the task of batch k-1 (tasks are sent ahead of the batches the
+    loop has taken, so `IterState.on_index` records the position at each send and
+    `on_delivered` keeps the one of the last batch delivered).  A sampler (or its iterator) with
+    `state_dict`/`load_state_dict` is saved and loaded as torchdata does.  Any other sampler is
+    *replayed*: the states of the torch generators it can draw from (its `generator`, the
+    loader's `generator`, torch's global RNG) are taken just before the epoch's sampler iterator
+    is made, and on resume they are put back, the iterator is made again and k batches of
+    indices are skipped; torch's global RNG is put back only for that replay, so the resuming
+    process's own global RNG is left as it was.  So `shuffle=True` resumes the epoch's
+    permutation exactly, with or without a generator.
+  * each worker's dataset state (torchdata's protocol: a dataset, or the iterator its `__iter__`
+    returns, with `state_dict`/`load_state_dict`).  A worker takes it right after fetching a
+    batch's samples and sends it ("state", epoch, n, state) ahead of the batch; the main process
+    applies it only when batch n is delivered (a failed batch's is dropped, as torchdata does), so
+    the saved state is the worker's as of the batches the loop has taken, not of those prefetched.
+    A persistent worker sends its state again after each epoch's "resume" (the dataset object
+    lives on and may have changed).  Nothing is sent for datasets without state.  On resume each
+    worker loads its own state: dataset state, then iter(dataset), then the iterator's state.
+  * which worker yielded batch k-1, so that batch k goes to the next one in turn (an iterable
+    dataset's shards are per worker); the workers' base seed; whether the epoch had ended.
+
+  A loaded state whose epoch had ended starts the next epoch at the next iter(), as torchdata
+  does.  An iterable dataset without state is fast-forwarded (k batches fetched and dropped,
+  with a warning), as torchdata does.  state_dict() before any iteration starts the iterator
+  (and its workers) so that its seed is fixed; the next iter() uses that iterator (torchdata's
+  behaviour).  The state carries FORMAT and the loader's configuration; a state of another
+  format, of another loader kind or of a loader built differently in a way that matters is a
+  ValueError naming both values, never a silent mismatch.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import warnings
+from collections import deque
+from typing import Any
+
+import torch
+from torch.utils.data.dataloader import (
+    _DatasetKind,
+    _InfiniteConstantSampler,
+    _SingleProcessDataLoaderIter,
+)
+
+from ._version import __version__
+
+FORMAT = 1  # bump on any change to what a state holds or means; older ones are refused
+FORMAT_KEY = "shmloader_state_format"
+_TORCHDATA_KEYS = ("_snapshot", "_num_yielded", "_steps_since_snapshot", "_index_sampler_state")
+_KINDS = {_DatasetKind.Map: "map-style", _DatasetKind.Iterable: "iterable"}
+
+
+def is_stateful(obj: Any) -> bool:
+    """torchdata's `Stateful` protocol: the object has state_dict() and load_state_dict()."""
+    return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
+
+
+def _state_of(obj: Any):
+    return obj.state_dict() if is_stateful(obj) else None
+
+
+def _load_into(obj: Any, saved: Any, what: str) -> None:
+    if not is_stateful(obj):
+        raise TypeError(
+            f"the loaded state holds a state for the {what} but this {what} "
+            f"({type(obj).__module__}.{type(obj).__qualname__}) has no load_state_dict(): build the "
+            "loader with the dataset that saved the state"
+        )
+    obj.load_state_dict(saved)
+
+
+# -- in a worker (or the main process when num_workers=0) ----------------------------------------
+
+
+def capture(dataset_kind: int, dataset: Any, fetcher: Any) -> dict | None:
+    """A worker's dataset state as torchdata takes it (None when nothing has state)."""
+    if dataset_kind == _DatasetKind.Iterable:
+        dataset_iter = fetcher.dataset_iter
+        iter_state = _state_of(dataset_iter)
+        dataset_state = _state_of(dataset) if dataset_iter is not dataset else None
+        if iter_state is None and dataset_state is None:
+            return None
+        return {"dataset": dataset_state, "iterator": iter_state, "ended": bool(fetcher.ended)}
+    dataset_state = _state_of(dataset)
+    if dataset_state is None:
+        return None
+    return {"dataset": dataset_state, "iterator": None, "ended": False}
+
+
+def restore_dataset(dataset_kind: int, dataset: Any, saved: dict | None, new_fetcher):
+    """Load a worker's saved state in torchdata's order: the dataset's, then iter(dataset) (by
+    `new_fetcher()`, which returns the fetcher), then the iterator's."""
+    if saved is not None and saved.get("dataset") is not None:
+        _load_into(dataset, saved["dataset"], "dataset")
+    fetcher = new_fetcher()
+    if saved is not None and dataset_kind == _DatasetKind.Iterable:
+        if saved.get("iterator") is not None:
+            _load_into(fetcher.dataset_iter, saved["iterator"], "dataset's iterator (iter(dataset))")
+        fetcher.ended = False  # always ask for one more batch, as torchdata does
+    return fetcher
+
+
+def start_fetcher(worker, saved: dict | None) -> None:
+    """worker.py's hook at start-up: a fresh fetcher, or one restored from `saved`."""
+    def new_fetcher():
+        worker._new_fetcher()
+        return worker.fetcher
+
+    restore_dataset(worker.spec.dataset_kind, worker.dataset, saved, new_fetcher)
+
+
+def send_batch_state(worker, epoch: int, idx: int) -> None:
+    """worker.py's hook after a batch's samples are fetched (or the stream ended)."""
+    fetcher = worker.fetcher
+    taken = capture(worker.spec.dataset_kind, fetcher.dataset, fetcher)
+    if taken is not None:
+        worker.channel.send(("state", epoch, idx, taken))
+
+
+def send_epoch_state(worker, epoch: int) -> None:
+    """worker.py's hook after a persistent worker's "resume": its state at the epoch's start."""
+    if worker.init_error is not None:
+        return
+    try:
+        taken = capture(worker.spec.dataset_kind, worker.fetcher.dataset, worker.fetcher)
+    except Exception as exc:  # reported with the next task, as a failed start is
+        from .worker import exception_payload
+
+        worker.init_error = ("saving the dataset's state (state_dict)", exception_payload(exc))
+        return
+    if taken is not None:
+        worker.channel.send(("state", epoch, -1, taken))
+
+
+# -- the main process ------------------------------------------------------------------------------
+
+
+def _name(obj: Any) -> str | None:
+    return None if obj is None else f"{type(obj).__module__}.{type(obj).__qualname__}"
+
+
+def _len(obj) -> int | None:
+    try:
+        return len(obj)
+    except TypeError:
+        return None
+
+
+def _config(loader) -> dict:
+    """What a state depends on, beyond the state itself: a loader that differs in one of these
+    cannot resume it (`check`)."""
+    is_map = loader._dataset_kind == _DatasetKind.Map
+    return {
+        "dataset_kind": _KINDS[loader._dataset_kind],
+        "num_workers": loader.num_workers,
+        "batch_size": loader.batch_size,
+        "drop_last": loader.drop_last,
+        "sampler": _name(loader.sampler),
+        "batch_sampler": _name(loader.batch_sampler),
+        "sampler_length": _len(loader.sampler) if is_map else None,
+        "batches_per_epoch": _len(loader._index_sampler) if is_map else None,
+        "sampler_generators": len(_sampler_generators(loader)),
+    }
+
+
+def _chain_generators(loader) -> list[torch.Generator]:
+    """The torch generators the index sampler exposes (`.generator`, following `.sampler`)."""
+    found: list[torch.Generator] = []
+    obj = loader._index_sampler
+    for _ in range(4):
+        if obj is None:
+            break
+        gen = getattr(obj, "generator", None)
+        if isinstance(gen, torch.Generator) and all(gen is not g for g in found):
+            found.append(gen)
+        obj = getattr(obj, "sampler", None)
+    return found
+
+
+def _sampler_generators(loader) -> list[torch.Generator]:
+    """Those of the sampler's generators that are not the loader's own `generator`."""
+    return [g for g in _chain_generators(loader) if g is not loader.generator]
+
+
+def _capture_rng(loader) -> dict:
+    return {
+        "loader": loader.generator.get_state() if loader.generator is not None else None,
+        "samplers": [g.get_state() for g in _sampler_generators(loader)],
+        "global": torch.get_rng_state(),
+    }
+
+
+def _draw_base_seed(loader) -> None:
+    """What torch's base iterator draws after making the sampler iterator (the in-process
+    iterator uses that first sampler iterator, so a replay draws it too)."""
+    torch.empty((), dtype=torch.int64).random_(generator=loader.generator)
+
+
+def _restore_sampler(it, loader, main: dict, rng: dict, single: bool) -> None:
+    """Put the iterator's sampler where it was (NOTE [ Resuming mid-epoch ])."""
+    gen = loader.generator
+    if is_stateful(it._index_sampler) or is_stateful(it._sampler_iter):
+        # torchdata's way: the sampler restores itself (and the generators it draws from)
+        if gen is not None and rng["loader"] is not None and all(g is not gen for g in _chain_generators(loader)):
+            gen.set_state(rng["loader"])  # the loader's generator only seeds the workers
+            if single:
+                _draw_base_seed(loader)
+        if is_stateful(it._index_sampler) and main["index_sampler"] is not None:
+            it._index_sampler.load_state_dict(main["index_sampler"])
+        it._sampler_iter = iter(it._index_sampler)
+        if main["sampler_iter"] is not None and is_stateful(it._sampler_iter):
+            it._sampler_iter.load_state_dict(main["sampler_iter"])
+        return
+    # a replay: the generators as they were when the epoch's sampler iterator was made
+    if gen is not None and rng["loader"] is not None:
+        gen.set_state(rng["loader"])
+    for sampler_gen, saved in zip(_sampler_generators(loader), rng["samplers"]):
+        sampler_gen.set_state(saved)
+    with torch.random.fork_rng(devices=[]):  # torch's global RNG only for the replay
+        torch.set_rng_state(rng["global"])
+        sampler_iter = iter(it._index_sampler)
+        if single:
+            _draw_base_seed(loader)
+        skip = 0 if isinstance(it._index_sampler, _InfiniteConstantSampler) else main["yielded"]
+        if skip:
+            next(itertools.islice(sampler_iter, skip - 1, None), None)
+        sampler_iter = _drawn(sampler_iter)  # under the saved global RNG
+    it._sampler_iter = sampler_iter
+
+
+def _drawn(sampler_iter):
+    """`sampler_iter` with its first item drawn now: a sampler seeds its permutation at its first
+    item (torch's RandomSampler without a generator, from the global RNG), so this fixes it at a
+    point a replay can reproduce."""
+    try:
+        first = next(sampler_iter)
+    except StopIteration:
+        return iter(())
+    return itertools.chain((first,), sampler_iter)
+
+
+def check(saved: Any, loader) -> dict:
+    """`saved` if this loader can resume from it; else a ValueError naming what differs."""
+    where = "ShmDataLoader.load_state_dict"
+    if not isinstance(saved, dict):
+        raise ValueError(f"{where}: expected the dict state_dict() returned, got {type(saved).__name__}")
+    if FORMAT_KEY not in saved:
+        if any(key in saved for key in _TORCHDATA_KEYS):
+            raise ValueError(
+                f"{where}: this is a torchdata StatefulDataLoader state (keys {sorted(saved)[:6]}); "
+                "ShmDataLoader reads only states saved by ShmDataLoader.state_dict()"
+            )
+        raise ValueError(
+            f"{where}: not a ShmDataLoader state (no {FORMAT_KEY!r} key; keys {sorted(saved)[:6]})"
+        )
+    version = saved[FORMAT_KEY]
+    if version != FORMAT:
+        raise ValueError(
+            f"{where}: the state has format {version} (saved by shmloader "
+            f"{saved.get('shmloader_version', '?')}), this shmloader {__version__} reads format {FORMAT}. "
+            + ("Resume with the shmloader version that saved it, or start the epoch over without "
+               "load_state_dict." if version > FORMAT else
+               "Resume with the shmloader version that saved it (then save again with this one), "
+               "or start the epoch over without load_state_dict.")
+        )
+    was, now = saved["loader"], _config(loader)
+    workers = saved["workers"]
+    per_worker = now["dataset_kind"] == "iterable" or any(w is not None for w in workers)
+    for key in now:
+        if key == "num_workers" and not per_worker and (was[key] == 0) == (now[key] == 0):
+            continue  # a map-style dataset without state resumes under any number of workers
+        if key in ("sampler_length", "batches_per_epoch") and (was[key] is None or now[key] is None):
+            continue
+        if was[key] != now[key]:
+            why = {
+                "num_workers": "each worker's dataset state is its own" if per_worker else
+                               "torch's in-process iterator draws its seed and sampler in another order",
+                "sampler_generators": "the sampler draws from a different number of generators",
+            }.get(key, "the saved position would mean other samples")
+            raise ValueError(
+                f"{where}: the state was saved by a loader with {key}={was[key]!r}, this loader has "
+                f"{key}={now[key]!r} ({why}); build the loader with the arguments that saved the "
+                "state, or start the epoch over without load_state_dict"
+            )
+    if now["dataset_kind"] == "map-style" and any(w is not None and w["dataset"] is not None for w in workers):
+        if not is_stateful(loader.dataset):
+            raise ValueError(f"{where}: the state holds the dataset's state but this dataset "
+                             f"({_name(loader.dataset)}) has no load_state_dict()")
+    return saved
+
+
+class IterState:
+    """One iterator's resumable state: what state_dict() returns, kept up to date as batches are
+    delivered; and, for an iterator made after load_state_dict(), the state it resumes from."""
+
+    def __init__(self, loader, single: bool):
+        self.single = single
+        self.kind = loader._dataset_kind
+        self.config = _config(loader)
+        self.in_order = getattr(loader, "in_order", True)
+        self.num_workers = max(loader.num_workers, 1)
+        self.resume: dict | None = getattr(loader, "_state_resume", None)
+        loader._state_resume = None
+        loader._state_tracker = self
+        self.loaded: dict | None = None  # the state resumed from, while a fast-forward is pending
+        self.workers: list = [None] * self.num_workers
+        if self.resume is not None and len(self.resume["workers"]) == self.num_workers:
+            self.workers = list(self.resume["workers"])
+        self.pending: dict[int, tuple[int, Any]] = {}  # batch -> (worker, its state after it)
+        self.sent: deque = deque()  # (task, sampler position after it), for tasks not delivered
+        self.main = {"yielded": 0, "index_sampler": None, "sampler_iter": None}
+        self.yielded = 0  # indices (batches) drawn from the sampler this epoch
+        self.rng: dict | None = None
+        self.steps = 0
+        self.skip = 0
+        self.finished = False
+        self.last_worker = self.num_workers - 1
+        self.base_seed: int | None = None
+        self.len_called = None
+
+    @classmethod
+    def attach(cls, it, loader) -> IterState:
+        """A multi-worker iterator's tracker, made right after torch's base __init__ (its seed
+        drawn) and before the workers start: a loaded state's seed replaces the drawn one."""
+        tracker = cls(loader, single=False)
+        if tracker.resume is not None:
+            it._base_seed = tracker.resume["base_seed"]
+        tracker.base_seed = it._base_seed
+        return tracker
+
+    def worker_resume(self, worker_id: int):
+        return self.workers[worker_id] if self.resume is not None else None
+
+    # -- hooks, in the order an epoch calls them ---------------------------------------------------
+
+    def before_epoch(self, loader, first_iter: bool) -> None:
+        """At the top of _reset: the RNG states the epoch's sampler iterator starts from."""
+        self.rng = _capture_rng(loader)
+        self.pending.clear()
+        self.sent.clear()
+        self.main = {"yielded": 0, "index_sampler": None, "sampler_iter": None}
+        self.yielded = self.steps = self.skip = 0
+        self.finished = False
+        self.last_worker = self.num_workers - 1
+        self.loaded = None
+        if not first_iter:  # filled again by the persistent workers' "state" after "resume"
+            self.workers = [None] * self.num_workers
+
+    def before_prime(self, it, loader, first_iter: bool) -> None:
+        """Before the first tasks are sent: resume a loaded state (sampler, turn, counters)."""
+        self.len_called = it._IterableDataset_len_called
+        saved, self.resume = self.resume, None
+        if saved is None or not first_iter:  # the sampler's state at the epoch's start
+            self.main = {"yielded": 0, "index_sampler": _state_of(it._index_sampler),
+                         "sampler_iter": _state_of(it._sampler_iter)}
+            return
+        self._restore_main(it, loader, saved)
+        if self.skip:
+            return  # fast-forward from the epoch's start, worker 0 first
+        for _ in range(saved["last_worker"] + 1):
+            next(it._worker_queue_idx_cycle)
+        if saved["epoch_finished"] and self.kind == _DatasetKind.Iterable:
+            it._workers_status = [False] * it._num_workers  # nothing to prime: the next iter() starts afresh
+
+    def _restore_main(self, it, loader, saved: dict) -> None:
+        sampler = saved["sampler"]
+        _restore_sampler(it, loader, sampler, sampler["rng"], self.single)
+        self.rng = sampler["rng"]
+        self.main = {k: sampler[k] for k in ("yielded", "index_sampler", "sampler_iter")}
+        self.yielded = sampler["yielded"]
+        self.len_called = it._IterableDataset_len_called = saved["iterable_len_called"]
+        self.finished = saved["epoch_finished"]
+        steps = saved["batches_yielded"]
+        if (self.kind == _DatasetKind.Iterable and steps and not self.finished
+                and all(w is None for w in saved["workers"])):
+            warnings.warn(
+                f"Neither the dataset nor iter(dataset) defines state_dict/load_state_dict, so the "
+                f"loader fast-forwards by fetching and dropping {steps} batches. Implement them in "
+                "your IterableDataset or its iterator for a faster resume.", UserWarning, stacklevel=5)
+            self.skip, self.loaded = steps, saved
+            self.yielded, self.main = 0, {"yielded": 0, "index_sampler": None, "sampler_iter": None}
+            return
+        it._num_yielded = self.steps = steps
+        self.last_worker = saved["last_worker"]
+
+    def on_index(self, it) -> None:
+        """After each index drawn for a task (torchdata's per-send main snapshot)."""
+        self.yielded += 1
+        if self.single:
+            return
+        if is_stateful(it._index_sampler) or is_stateful(it._sampler_iter):
+            self.sent.append((it._send_idx, self.yielded, _state_of(it._index_sampler), _state_of(it._sampler_iter)))
+        else:
+            self.sent.append((it._send_idx, self.yielded, None, None))
+
+    def on_worker_state(self, it, worker_id: int, message: tuple) -> None:
+        """A worker's ("state", epoch, batch, state): kept until that batch is delivered
+        (batch -1: the worker's state at the epoch's start)."""
+        _, epoch, idx, taken = message
+        if epoch != it._epoch:
+            return  # a stale epoch's
+        if idx < 0:
+            self.workers[worker_id] = taken
+        else:
+            self.pending[idx] = (worker_id, taken)
+
+    def on_delivered(self, idx: int, worker_id: int, ok: bool) -> None:
+        """Batch `idx` is handed to the loop (ok) or raised as the worker's error (not ok)."""
+        if not ok:
+            self.pending.pop(idx, None)
+            return
+        while self.sent and self.sent[0][0] <= idx:
+            _, yielded, index_state, iter_state = self.sent.popleft()
+            self.main = {"yielded": yielded, "index_sampler": index_state, "sampler_iter": iter_state}
+        self._apply_pending(idx)
+        self.last_worker = worker_id
+        self.steps += 1
+
+    def _apply_pending(self, upto: int | None) -> None:
+        for n in sorted(self.pending):
+            if upto is not None and n > upto:
+                break
+            worker_id, taken = self.pending.pop(n)
+            self.workers[worker_id] = taken
+
+    def next(self, it, step):
+        """The iterator's __next__: a pending fast-forward first, then `step()`."""
+        try:
+            if self.skip:
+                count, saved, self.skip = self.skip, self.loaded, 0
+                for _ in range(count):
+                    self._step(it, step)
+                self.loaded = None
+                if self.last_worker != saved["last_worker"]:
+                    raise ValueError(
+                        f"after fast-forwarding {count} batches the last one came from worker "
+                        f"{self.last_worker}, the saved state says worker {saved['last_worker']}: the "
+                        "dataset does not yield what it yielded when the state was saved")
+            return self._step(it, step)
+        except StopIteration:
+            self.finished = True
+            if self.single:
+                self._take_single(it)
+            else:
+                self._apply_pending(None)  # the ends of iterable streams
+            raise
+
+    def _step(self, it, step):
+        data = step()
+        if self.single:  # in process, the state is taken with each batch
+            self.steps += 1
+            self._take_single(it)
+        return data
+
+    def _take_single(self, it) -> None:
+        self.main = {"yielded": self.yielded, "index_sampler": _state_of(it._index_sampler),
+                     "sampler_iter": _state_of(it._sampler_iter)}
+        self.workers = [capture(self.kind, it._dataset, it._dataset_fetcher)]
+
+    # -- the state -----------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        if not self.in_order:
+            warnings.warn("ShmDataLoader with in_order=False gives no guarantee that a saved state "
+                          "resumes where it was saved (nor does torchdata's StatefulDataLoader)",
+                          UserWarning, stacklevel=3)
+        if self.loaded is not None:
+            return copy.copy(self.loaded)  # a fast-forward is pending: the state is the loaded one
+        return {
+            FORMAT_KEY: FORMAT,
+            "shmloader_version": __version__,
+            "loader": dict(self.config),
+            "epoch_finished": self.finished,
+            "batches_yielded": self.steps,
+            "base_seed": self.base_seed,
+            "iterable_len_called": self.len_called,
+            "sampler": {**self.main, "rng": self.rng},
+            "last_worker": self.last_worker,
+            "workers": list(self.workers),
+        }
+
+
+class SingleProcessIter(_SingleProcessDataLoaderIter):
+    """torch's in-process iterator (num_workers=0), resumable."""
+
+    def __init__(self, loader) -> None:
+        tracker = IterState(loader, single=True)
+        tracker.rng = _capture_rng(loader)  # before torch makes the sampler iterator and draws the seed
+        super().__init__(loader)
+        self._resumable = tracker
+        tracker.base_seed = self._base_seed
+        tracker.len_called = self._IterableDataset_len_called
+        saved, tracker.resume = tracker.resume, None
+        if saved is not None:
+            self._base_seed = tracker.base_seed = saved["base_seed"]
+            tracker._restore_main(self, loader, saved)
+            if not tracker.skip:  # a fast-forward replays the stream from its start instead
+                worker = saved["workers"][0] if len(saved["workers"]) == 1 else None
+                self._dataset_fetcher = restore_dataset(self._dataset_kind, self._dataset, worker,
+                                                        self._new_fetcher)
+        elif not (is_stateful(self._index_sampler) or is_stateful(self._sampler_iter)):
+            self._sampler_iter = _drawn(self._sampler_iter)  # fixed now, as a worker iterator's is
+        if not tracker.skip:
+            tracker._take_single(self)  # the state at the start (or as loaded)
+
+    def _new_fetcher(self):
+        return _DatasetKind.create_fetcher(self._dataset_kind, self._dataset, self._auto_collation,
+                                           self._collate_fn, self._drop_last)
+
+    def _next_index(self):
+        index = super()._next_index()
+        self._resumable.on_index(self)
+        return index
+
+    def __next__(self):
+        return self._resumable.next(self, super().__next__)
+
+
+# -- the loader's side ----------------------------------------------------------------------------
+
+
+def loader_state_dict(loader) -> dict:
+    """ShmDataLoader.state_dict(): the state of the current (or last) iterator; before any, start
+    one (its seed drawn, its workers started) for the next iter() to use, as torchdata does."""
+    tracker: IterState | None = getattr(loader, "_state_tracker", None)
+    if tracker is None:
+        iterator = loader._get_iterator()
+        loader._state_prepared = iterator
+        if loader.persistent_workers and loader.num_workers > 0:
+            loader._iterator = iterator
+        tracker = iterator._resumable
+    return tracker.state_dict()
+
+
+def load_loader_state(loader, saved: dict) -> None:
+    """ShmDataLoader.load_state_dict(): the next iterator resumes from `saved` ({}: no-op)."""
+    resume = None if saved == {} else check(saved, loader)
+    loader._iterator = None
+    loader._state_prepared = None
+    loader._state_tracker = None
+    loader._state_resume = resume
+
+
+def start_epoch(loader, make):
+    """ShmDataLoader.__iter__: the iterator state_dict() started, else `make()`; a resumed
+    iterator whose epoch had ended goes on to the next epoch at once (torchdata's behaviour)."""
+    iterator = getattr(loader, "_state_prepared", None)
+    loader._state_prepared = None
+    if iterator is None:
+        iterator = make()
+    if iterator._resumable.finished:
+        if loader.persistent_workers and loader.num_workers > 0:
+            iterator._reset(loader)
+        else:
+            shutdown = getattr(iterator, "_shutdown_workers", None)
+            if shutdown is not None:
+                shutdown()
+            iterator = loader._get_iterator()
+    return iterator

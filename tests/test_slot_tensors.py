@@ -1,0 +1,145 @@
+"""torch tensors built in a collate_fn are born in the slot (shmloader/arena.py): torch.stack /
+torch.cat without out=, torch's default_collate called inside a collate_fn, and the explicit
+`shmloader.empty_tensor`.  The batches stay torch's bit for bit, strides and dtypes included;
+whatever the mode must not touch (autograd, non-contiguous results, subclasses) runs as torch
+runs it."""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import DataLoader, Dataset, default_collate
+
+from shmloader import ShmDataLoader, empty_tensor
+from shmloader.arena import SlotTensorMode
+
+from ._helpers import assert_same_batches
+
+pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("no_leaks")]
+
+ROW = 64 * 1024  # bytes per sample: well above the arena's threshold
+
+
+class TensorRows(Dataset):
+    def __init__(self, n: int = 32, dtype=torch.float32):
+        self.n, self.dtype = n, dtype
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        count = ROW // torch.empty((), dtype=self.dtype).element_size()
+        return (torch.arange(count) % 251 + i).to(self.dtype)
+
+
+def stack(samples):
+    return torch.stack(samples)
+
+
+def cat_dict(samples):
+    return {"x": torch.cat(samples), "y": torch.stack([s[:8] for s in samples], dim=1),
+            "n": torch.concat([s[:2] for s in samples])}
+
+
+def promote(samples):  # torch.cat promotes float32 with float64
+    return torch.cat([samples[0].double(), *samples[1:]])
+
+
+def wraps_default_collate(samples):
+    return {"batch": default_collate(samples), "count": len(samples)}
+
+
+def explicit(samples):
+    out = empty_tensor((len(samples), *samples[0].shape), samples[0].dtype)
+    for i, s in enumerate(samples):
+        out[i] = s
+    return out
+
+
+def explicit_stack(samples):
+    return torch.stack(samples, out=empty_tensor((len(samples), *samples[0].shape), samples[0].dtype))
+
+
+def _both(dataset, collate_fn, **kwargs):
+    kwargs.setdefault("batch_size", 4)
+    kwargs.setdefault("num_workers", 2)
+    loader = ShmDataLoader(dataset, collate_fn=collate_fn, persistent_workers=True, **kwargs)
+    shm = [copy.deepcopy(b) for b in loader]
+    ref = list(DataLoader(dataset, collate_fn=collate_fn, **kwargs))
+    return shm, ref, loader.stats()
+
+
+@pytest.mark.parametrize("collate_fn", [stack, cat_dict, promote, wraps_default_collate, explicit,
+                                        explicit_stack])
+def test_torch_collates_are_built_in_the_slot(collate_fn):
+    shm, ref, stats = _both(TensorRows(), collate_fn)
+    assert_same_batches(shm, ref)
+    # every batch but the workers' first ones (no slot of the learnt size in hand yet) in place
+    assert stats.in_place_bytes >= (len(shm) - 4) * 4 * ROW * 0.9, stats
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.complex64, torch.bool, torch.int8])
+def test_dtypes_without_or_with_odd_numpy_twins(dtype):
+    shm, ref, stats = _both(TensorRows(n=16, dtype=dtype), stack)
+    assert_same_batches(shm, ref)
+    assert stats.in_place_bytes > 0, stats
+
+
+class ChannelsLast(Dataset):
+    def __len__(self):
+        return 12
+
+    def __getitem__(self, i):
+        return torch.full((1, 3, 64, 64), float(i)).to(memory_format=torch.channels_last)
+
+
+def test_a_result_torch_would_not_make_contiguous_keeps_its_strides():
+    shm, ref, stats = _both(ChannelsLast(), lambda s: torch.cat(s))
+    assert_same_batches(shm, ref)  # strides compared: channels_last, as torch gives it
+    assert stats.in_place_bytes == 0, stats
+
+
+class KeepsTensors:
+    """Caches every batch and checks, at each call, that none of them changed."""
+
+    def __init__(self):
+        self.kept = []
+
+    def __call__(self, samples):
+        for batch, snapshot in self.kept:
+            if not torch.equal(batch, snapshot):
+                raise AssertionError("a tensor the collate_fn kept was overwritten")
+        batch = torch.stack(samples)
+        self.kept.append((batch, batch.clone()))
+        return batch
+
+
+def test_tensors_the_collate_keeps_are_never_overwritten():
+    shm, ref, stats = _both(TensorRows(n=64), KeepsTensors(), prefetch_factor=2)
+    assert_same_batches(shm, ref)
+    assert stats.in_place_bytes == 0, stats  # each batch moved out of the kept segment
+
+
+def test_the_mode_leaves_autograd_out_and_subclasses_alone():
+    a = torch.ones(64, 64, requires_grad=True)
+    with SlotTensorMode(0):
+        joined = torch.stack([a, a])
+        assert joined.requires_grad and joined.grad_fn is not None  # not given an out=
+        with torch.no_grad():
+            plain = torch.stack([a, a])
+        assert not plain.requires_grad
+        param = torch.nn.Parameter(torch.ones(4))
+        assert type(torch.cat([param, param])) is torch.Tensor  # as torch gives it
+        with pytest.raises(RuntimeError, match="stack expects each tensor to be equal size"):
+            torch.stack([torch.ones(3), torch.ones(4)])  # torch's own error
+
+
+def test_empty_tensor_outside_a_worker_is_a_plain_tensor():
+    t = empty_tensor((3, 5), torch.bfloat16)
+    assert t.shape == (3, 5) and t.dtype == torch.bfloat16 and t.is_contiguous()
+    t.fill_(1.5)
+    assert float(t.sum()) == 22.5
+    assert np.shares_memory(t.view(torch.uint8).numpy(), t.view(torch.uint8).numpy())

@@ -1,0 +1,131 @@
+"""Slot segments are made ahead of need, off the workers' path (NOTE [ Spare segments ] in
+shmloader/spares.py): once the ring knows its slot size, no worker creates a slot; the thread
+makes only what waiting grants need, honours the user's cap, leaves nothing behind, and when it
+cannot make one the workers create their slots again (and report the error with its batch)."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import pytest
+import torch
+
+import shmloader.ring
+from shmloader import ShmDataLoader
+from shmloader.errors import ShmCapacityError
+from shmloader.spares import SpareMaker
+
+from . import _datasets as ds
+from ._helpers import assert_same_batches, collect
+from .conftest import wait_until
+
+pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("no_leaks")]
+
+WORKERS = 2
+
+
+def _fixed(n: int = 60):
+    return ds.ArrayDataset(n=n, nbytes=256 * 1024)
+
+
+def _drain(loader, epochs: int = 1) -> int:
+    count = 0
+    for _ in range(epochs):
+        for batch in loader:
+            count += int(batch.shape[0])
+        del batch
+    return count
+
+
+def test_workers_create_only_their_first_slots():
+    """Each worker's first batch teaches the slot size; every slot needed after that is made
+    ahead by the spare thread, none by a worker."""
+    loader = ShmDataLoader(_fixed(), batch_size=2, num_workers=WORKERS, persistent_workers=True)
+    held = []
+    for i, batch in enumerate(loader):  # hold a few: the ring must make more slots than the first
+        if i % 5 == 0:
+            held.append(batch)
+    stats = loader.stats()
+    segments = stats.ring_bytes // stats.slot_bytes + stats.held_segments  # + a spare on its way
+    assert stats.made_ahead >= 3, stats
+    assert segments - stats.made_ahead <= WORKERS + 1, stats
+    del held, batch
+    assert _drain(loader) == 60  # the next epoch reuses the ring
+    assert loader.stats().slot_grows == 0
+
+
+def test_with_slot_bytes_given_every_slot_is_made_ahead():
+    loader = ShmDataLoader(_fixed(20), batch_size=2, num_workers=WORKERS, slot_bytes=1 << 20)
+    assert _drain(loader) == 20
+    stats = loader.stats()
+    assert stats.made_ahead == stats.ring_bytes // stats.slot_bytes > 0, stats
+
+
+def test_turned_off_by_the_environment(monkeypatch):
+    monkeypatch.setenv("SHMLOADER_SPARE_SLOTS", "0")
+    loader = ShmDataLoader(_fixed(20), batch_size=2, num_workers=WORKERS, slot_bytes=1 << 20)
+    assert _drain(loader) == 20
+    assert loader.stats().made_ahead == 0
+
+
+def test_a_failing_spare_thread_hands_creation_back_to_the_workers(monkeypatch):
+    """The thread cannot make segments (a full /dev/shm, say): grants no longer wait for it and
+    the workers create their slots, so nothing hangs and every batch arrives."""
+    def refuse(capacity, generation, what="a ring slot", populate=True):
+        raise ShmCapacityError(capacity, 0, "/dev/shm", what)
+
+    monkeypatch.setattr(shmloader.ring, "create_segment", refuse)  # the main process's only
+    loader = ShmDataLoader(_fixed(40), batch_size=2, num_workers=WORKERS, slot_bytes=1 << 20)
+    assert _drain(loader) == 40
+    assert loader.stats().made_ahead == 0
+
+
+def test_spares_count_against_the_users_cap():
+    cap = 3
+    loader = ShmDataLoader(_fixed(40), batch_size=2, num_workers=WORKERS, max_ring_slots=cap,
+                           slot_bytes=1 << 20)
+    assert _drain(loader) == 40
+    stats = loader.stats()
+    assert stats.ring_bytes <= cap * stats.slot_bytes, stats
+
+
+def test_spare_maker_makes_what_is_wanted_and_closes_cleanly():
+    made = []
+
+    def create(capacity):
+        segment = shmloader.ring.create_segment(capacity, 0)
+        made.append(capacity)
+        return segment
+
+    maker = SpareMaker(create)
+    try:
+        maker.want(2, 1 << 16)
+        assert _wait(lambda: maker.ready_count() == 2)
+        assert maker.reserved_bytes() == 2 << 16
+        assert os.read(maker.wakeup_fd, 16)  # the main process was woken
+        first = maker.take(1 << 16)
+        assert first is not None and first.size == 1 << 16
+        assert maker.take(1 << 17) is None  # a ready one of another size is dropped, not handed
+        maker.want(1, 1 << 17)
+        assert _wait(lambda: maker.ready_count() == 1)
+        assert made == [1 << 16, 1 << 16, 1 << 17]
+        del first
+    finally:
+        maker.close()
+    assert not any(t.name == "shmloader-spare-slots" for t in threading.enumerate())
+
+
+def test_the_batches_are_torchs():
+    """Grants that wait for spares change when workers write, never what they write."""
+    kwargs = dict(batch_size=3, num_workers=WORKERS, shuffle=True)
+    shm = ShmDataLoader(ds.RandomDataset(n=24), generator=torch.Generator().manual_seed(3),
+                        slot_bytes=1 << 16, **kwargs)
+    ref = torch.utils.data.DataLoader(ds.RandomDataset(n=24), generator=torch.Generator().manual_seed(3),
+                                      **kwargs)
+    assert_same_batches(collect(shm), collect(ref))
+    assert shm.stats().made_ahead > 0
+
+
+def _wait(predicate, seconds: float = 10.0) -> bool:
+    return wait_until(predicate, seconds)
