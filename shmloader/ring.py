@@ -237,7 +237,7 @@ class Ring:
         (NOTE [ Spare segments ] in spares.py); `created_only` never picks a slot without one."""
         self.collect_released()
         prefer = prefer or {}
-        created = [s for s in self._free if self._segments[s] is not None]
+        created = [s for s in reversed(self._free) if self._segments[s] is not None]  # last freed first: cache-warm
         known = [s for s in created if prefer.get(s) == self._generations[s]]
         order = known + created
         if not order and not created_only and (self._spares.ready_count() > 0 or self._may_add_segment()):
