@@ -150,17 +150,16 @@ class SpareMaker:
             self._thread.join(JOIN_SECONDS)
         with self._cond:
             self._drop_ready()
-        for fd in (self._wake_read, self._wake_write):
-            try:
-                os.close(fd)
-            except OSError:
-                pass
+        self._close_pipe()
 
     def close_in_child(self) -> None:
         """A forked worker: the thread is not there, only its fds (no lock taken: it may be
         held by a thread that does not exist in the child)."""
         for segment in list(self._ready):
             segment.close_fd()
+        self._close_pipe()
+
+    def _close_pipe(self) -> None:
         for fd in (self._wake_read, self._wake_write):
             try:
                 os.close(fd)
