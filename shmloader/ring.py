@@ -221,7 +221,7 @@ class Ring:
         self.collect_released()
         if self.has_free_created_slot():
             return True
-        return bool(self._free or self._leased) and (self._spares.ready_count() > 0 or self._may_add_segment())
+        return bool(self._free or self._leased) and (self._spares.pending() > 0 or self._may_add_segment())
 
     def has_free_created_slot(self) -> bool:
         self.collect_released()
@@ -263,8 +263,9 @@ class Ring:
         if not self._spares_on or not self._spares.usable or not self.slot_bytes:
             return False
         if self.has_free_created_slot() or self._spares.ready_count():
-            return False
-        return bool(self._free or self._leased) and self._may_add_segment()
+            return False  # a slot to grant now (take_free_slot installs a ready spare)
+        # one on its way counts already against a user's cap
+        return bool(self._free or self._leased) and (self._spares.pending() > 0 or self._may_add_segment())
 
     def want_spares(self, count: int) -> None:
         """Keep `count` spare segments on their way (the grants waiting for one), as far as the
