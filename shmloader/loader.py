@@ -442,6 +442,8 @@ class _ShmLoaderIter(_BaseDataLoaderIter):
         ring = self._ring
         slot = ring.take_free_slot(prefer=self._known_generation[worker_id], created_only=created_only)
         generation, capacity, hint = ring.task_geometry(slot)
+        if capacity and self._pinner is not None:
+            self._pinner.pin(ring.segment(slot))  # a segment made ahead (spares.py): once each
         fds: tuple[int, ...] = ()
         if capacity and self._known_generation[worker_id].get(slot) != generation:
             fds = (ring.fd(slot),)

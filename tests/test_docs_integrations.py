@@ -54,6 +54,6 @@ def test_snippet_runs(name, code, command, tmp_path):
         ranks = int(command[1].removeprefix("--nproc_per_node="))
         done = run_python(name, torchrun_ranks=ranks, cwd=str(tmp_path))
     printed = {int(m[1]): int(m[2]) for m in
-               re.finditer(r"^(\d+) LoaderStats\(.*?\bbatches=(\d+)", done.stdout, flags=re.M)}
+               re.finditer(r"^(\d+) shmloader: (\d+) batches;", done.stdout, flags=re.M)}  # print(stats)
     assert sorted(printed) == list(range(ranks)), done.stdout[-3000:]
     assert all(batches > 0 for batches in printed.values()), printed
