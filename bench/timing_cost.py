@@ -19,9 +19,9 @@ import time
 import timeit
 
 from shmloader import layout
-from shmloader.ring import create_segment
+from shmloader.protocol import FETCHING, IDLE, STATUS_WORD, WRITING
+from shmloader.segment import create_segment
 from shmloader.timing import BatchClock, init_block, stage_clock
-from shmloader.worker import FETCHING, IDLE, STATUS_WORD, WRITING
 
 # stage changes per batch in a worker: fetching, (awaiting slot,) collating, laying out, writing,
 # idle; six with a custom collate_fn
@@ -70,8 +70,8 @@ def ab(batch_bytes: int = 1 << 20, workers: int = 2, blocks: int = 40, per_block
     import struct
 
     from shmloader import ShmDataLoader
+    from shmloader.protocol import status_offset
     from shmloader.timing import W_TIMED
-    from shmloader.worker import status_offset
 
     from .measure import touch
     from .workloads import PremadeDataset

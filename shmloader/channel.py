@@ -1,8 +1,8 @@
 """The control channel between the main process and one worker: small framed messages, plus fds.
 
 Only a few integers per batch cross it (NOTE [ Slot lifecycle ] in ring.py): the batch bytes
-never do.  Each message is a 5-byte frame header (payload length, fd count) followed by a pickled
-tuple; a message that carries fds (a slot segment) sends them as SCM_RIGHTS ancillary data with
+never do.  Each message (protocol.py) is a 5-byte frame header (payload length, fd count) followed
+by its pickled wire tuple; a message that carries fds (a slot segment) sends them as SCM_RIGHTS ancillary data with
 its frame header.  One stream socket per worker keeps the order of messages and fds together.
 """
 
@@ -13,8 +13,10 @@ import os
 import pickle
 import socket
 import struct
+from typing import Any
 
 from .ownership import register_parent_only
+from .protocol import decode, encode
 
 _FRAME = struct.Struct("<IB")
 _MAX_FDS = 4
@@ -45,8 +47,9 @@ class Channel:
     def fileno(self) -> int:
         return self.sock.fileno()
 
-    def send(self, message: tuple, fds: tuple[int, ...] = ()) -> None:
-        payload = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+    def send(self, message, fds: tuple[int, ...] = ()) -> None:
+        """Send one protocol message (and `fds` with it)."""
+        payload = pickle.dumps(encode(message), protocol=pickle.HIGHEST_PROTOCOL)
         frame = _FRAME.pack(len(payload), len(fds))
         if fds:
             ancillary = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))]
@@ -57,7 +60,7 @@ class Channel:
         self.bytes_sent += len(frame) + len(payload)
         self.messages_sent += 1
 
-    def recv(self) -> tuple[tuple, list[int]]:
+    def recv(self) -> tuple[Any, list[int]]:
         """The next message and the fds that came with it (the caller owns them; if no whole
         message arrives, those that did are closed here)."""
         fds: list[int] = []
@@ -86,7 +89,7 @@ class Channel:
                 if n == 0:
                     raise ChannelClosed("the peer closed the control socket mid-message")
                 received += n
-            message = pickle.loads(payload)
+            message = decode(pickle.loads(payload))
         except BaseException:
             for fd in fds:
                 _close_quietly(fd)

@@ -24,8 +24,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, fields
 
-from .timing import BatchClock, available_cores
-from .worker import (
+from .protocol import (
     AWAITING_SLOT,
     BOOTING,
     COLLATING,
@@ -37,6 +36,7 @@ from .worker import (
     UNPICKLING,
     WRITING,
 )
+from .timing import BatchClock, available_cores
 
 INPUT_BOUND = 0.10  # the loop waited at least this share of its time: input-bound
 COMPUTE_BOUND = 0.05  # below this: compute-bound (between the two: balanced)
@@ -47,7 +47,7 @@ SLOT_WAIT = 0.10  # workers waiting for a slot this much while the loop waits: s
 RUN_QUEUE = 0.25  # workers waiting for a CPU this share of their busy time: too few cores
 MAIN_RUN_QUEUE = 0.05  # the training thread waiting for a CPU this share of the time: too many workers
 
-# worker.STAGES grouped as the table shows them
+# protocol.STAGES grouped as the table shows them
 _GROUPS = {
     "starting": (BOOTING, UNPICKLING, INIT_FN, STARTING),
     "idle": (IDLE,),

@@ -46,9 +46,8 @@ from multiprocessing.reduction import ForkingPickler
 
 import numpy as np
 import torch
-from torch.utils.data._utils import collate as torch_collate
 
-from . import _ring
+from . import _ring, torch_private
 from .errors import BatchShapeError, LayoutError, SlotProtocolError
 
 HEADER_BYTES = _ring.HEADER_BYTES
@@ -151,8 +150,8 @@ def _torch_takes_as_is(array: np.ndarray) -> bool:
 
 def _stack_arrays(batch, *, collate_fn_map=None):
     elem = batch[0]
-    if torch_collate.np_str_obj_array_pattern.search(elem.dtype.str) is not None:
-        raise _UncollatableArray(elem, TypeError(torch_collate.default_collate_err_msg_format.format(elem.dtype)))
+    if torch_private.np_str_obj_array_pattern.search(elem.dtype.str) is not None:
+        raise _UncollatableArray(elem, TypeError(torch_private.default_collate_err_msg_format.format(elem.dtype)))
     dtype = _NUMPY_TO_TORCH.get(elem.dtype)
     if dtype is None or not all(a.dtype == elem.dtype and _torch_takes_as_is(a) for a in batch):
         return _collate_as_tensors(batch, collate_fn_map)
@@ -169,10 +168,10 @@ def _collate_as_tensors(batch, collate_fn_map):
             tensors.append(torch.as_tensor(array))
         except Exception as exc:
             raise _UncollatableArray(batch[0], exc, i) from None
-    return torch_collate.collate(tensors, collate_fn_map=collate_fn_map)
+    return torch_private.collate(tensors, collate_fn_map=collate_fn_map)
 
 
-SLOT_COLLATE_MAP = dict(torch_collate.default_collate_fn_map)
+SLOT_COLLATE_MAP = dict(torch_private.default_collate_fn_map)
 SLOT_COLLATE_MAP[torch.Tensor] = _stack_tensors
 SLOT_COLLATE_MAP[np.ndarray] = _stack_arrays
 
@@ -180,7 +179,7 @@ SLOT_COLLATE_MAP[np.ndarray] = _stack_arrays
 def collate_into_slot(samples):
     """What `default_collate(samples)` would return, with StackedLeaf in place of stacked tensors."""
     try:
-        return torch_collate.collate(samples, collate_fn_map=SLOT_COLLATE_MAP)
+        return torch_private.collate(samples, collate_fn_map=SLOT_COLLATE_MAP)
     except _UncollatableArray as exc:  # torch's exception type, with the path
         where = path_of(samples[0], exc.leaf)
         message = f"cannot collate {_describe(exc.leaf)} at {where} (sample {exc.sample}): {exc.error}"
@@ -530,8 +529,5 @@ class _SlotUnpickler(pickle.Unpickler):
 def read_batch(lease: _ring.SlotLease, descriptor: bytes, payload_end: int):
     """Rebuild the batch from its descriptor, every array leaf a view that keeps `lease` alive."""
     batch = _SlotUnpickler(descriptor, lease, payload_end).load()
-    if torch._utils._sparse_tensors_to_validate:
-        # torch's unpickling of a sparse tensor parks it in a module-level list until validated
-        # (torch.load does it); left there it would hold this slot's lease forever.
-        torch._utils._validate_loaded_sparse_tensors()
+    torch_private.validate_loaded_sparse_tensors()
     return batch

@@ -14,80 +14,51 @@ What one `next()` does, step by step:
   3. validate the slot's header, unpickle its small descriptor with views onto the slot;
   4. send the next task (indices) to the next worker in round-robin order; return the batch.
 
-NOTE [ Slot grants ]
-  Tasks carry no slot.  Each worker holds up to GRANTS_PER_WORKER free slots granted by the main
-  process ("grant" messages, with the segment's fd the first time that worker sees it) and writes
-  each finished batch into one of them; the "ready" message hands the slot back, and the main
-  process grants another.  So a slot is bound only to a batch that exists: the ring's depth
-  (NOTE [ Ring size ]) is a cap, and the slots actually created are about the granted ones plus
-  the batches waiting to be consumed, far fewer than num_workers × prefetch_factor when the
-  training loop keeps up.  A worker that has a batch and no grant waits for one on its socket.
-  When no slot is free because the training loop holds batches, the ring detaches the
-  longest-held one (NOTE [ Held batches ] in ring.py) and the workers that mapped it are told to
-  forget it ("forget" messages), as they are for a slot's pre-growth segment.  Only under a cap
-  the user set can a worker wait for good: then RingFullError.
+Where each part lives:
+  loader.py     ShmDataLoader, and its iterator: torch's bookkeeping (order, epochs, `in_order`,
+                iterable ends, persistent workers), as torch's `_MultiProcessingDataLoaderIter`;
+  pool.py       the worker processes, their sockets, deaths and shutdown (NOTE [ Shutdown ]);
+  scheduler.py  which slot each worker writes into (NOTE [ Slot grants ]);
+  ring.py       the main process's slots and their sizing (NOTE [ Ring size ], [ Held batches ]);
+  protocol.py   every message between the two sides, and the status board;
+  worker.py     the worker's loop; layout.py how a batch sits in a slot; segment.py one segment.
 
 Order, seeding, `len()`, epochs, `persistent_workers`, `in_order` and iterable datasets follow
 torch's `_MultiProcessingDataLoaderIter` exactly (this iterator derives from torch's base class,
 so the sampler and the seeds are drawn in the same order from the same generator).
 
-NOTE [ Shutdown ]
-  At the end of an epoch (unless persistent), on `del`, on an error or on Ctrl-C: send "stop" to
-  every worker, give them a moment, terminate the rest (safe: slot segments have no names to leak
-  and the kernel closes their fds), join, close the sockets and the process sentinels, then close
-  the ring.  Slots whose batches the user still holds stay mapped until those views are freed.
-  A shutdown caused by an error leaves the iterator *broken*: every later next() raises
-  LoaderBrokenError (its __cause__ the original error) rather than end the epoch quietly; an
-  epoch that simply ended raises StopIteration.  A worker's own exception inside a task is not
-  an error of the loader: it is raised at its batch's turn and the epoch goes on, as in torch.
+An error that shuts the iterator down leaves it broken: NOTE [ Shutdown ] in pool.py.
 """
 
 from __future__ import annotations
 
 import collections
 import itertools
-import math
 import os
-import select
 import time
 import weakref
 from dataclasses import dataclass
-from multiprocessing import connection as mp_connection
 from typing import TypeVar
 
 import torch
-from torch.utils.data import DataLoader
-from torch.utils.data._utils import collate as torch_collate
-from torch.utils.data.dataloader import _BaseDataLoaderIter
+from torch.utils.data import DataLoader, default_collate, default_convert
 
-from . import diagnosis, layout, state
-from .channel import Channel, ChannelClosed
-from .crashlog import CrashLog
+from . import diagnosis, state, torch_private
 from .errors import (
     LoaderBrokenError,
     LoaderTimeoutError,
     RemoteTraceback,
     SlotProtocolError,
-    WorkerDiedError,
     WorkerError,
 )
-from .ring import CONSUMER_SLOTS, Ring, RingStats, create_segment
-from .timing import BatchClock, init_block, read_block, timing_enabled
-from .worker import (
-    BOOTING,
-    COLLATE_CONVERT,
-    COLLATE_CUSTOM,
-    COLLATE_INTO_SLOT,
-    Shipped,
-    WorkerSpec,
-    describe_stage,
-    status_offset,
-    worker_main,
-)
+from .pool import Poller, WorkerPool
+from .protocol import End, Failed, Fatal, Ready, Resume, Resumed, State, Task
+from .ring import Ring, RingStats
+from .scheduler import SlotScheduler
+from .timing import BatchClock, timing_enabled
+from .worker import COLLATE_CONVERT, COLLATE_CUSTOM, COLLATE_INTO_SLOT, Shipped, WorkerSpec
 
-GRANTS_PER_WORKER = 2  # NOTE [ Slot grants ]: the slot being written + one to go on with
 POLL_SECONDS = 0.5  # longest blind wait: sentinels and timeouts are checked at least this often
-STOP_GRACE_SECONDS = 0.5  # how long stopped workers get before they are terminated
 
 _T_co = TypeVar("_T_co", covariant=True)
 
@@ -250,22 +221,10 @@ class _Failure:
 _END = object()  # an iterable worker's stream is exhausted
 
 
-class _Poller:
-    """poll(2) over a fixed set of fds, registered once (multiprocessing.connection.wait builds
-    a selector per call, which costs more than the wait itself when the loop waits per batch).
-    Errors and hang-ups count as ready: reading then says what happened."""
+class _ShmLoaderIter(torch_private.BaseDataLoaderIter):
+    """torch's bookkeeping (order, epochs, `in_order`, iterable ends), over a WorkerPool that
+    carries the messages (pool.py) and a SlotScheduler that hands out the slots (scheduler.py)."""
 
-    def __init__(self, fds: list[int]):
-        self._poll = select.poll()
-        for fd in fds:
-            self._poll.register(fd, select.POLLIN)
-
-    def ready(self, timeout: float) -> list[int]:
-        """The fds readable (or hung up) within `timeout` seconds."""
-        return [fd for fd, _ in self._poll.poll(max(0, math.ceil(timeout * 1000)))]
-
-
-class _ShmLoaderIter(_BaseDataLoaderIter):
     def __init__(self, loader: ShmDataLoader) -> None:
         super().__init__(loader)
         self._resumable = state.IterState.attach(self, loader)  # a loaded state's seed, before the workers start
@@ -274,83 +233,69 @@ class _ShmLoaderIter(_BaseDataLoaderIter):
         assert self._prefetch_factor > 0, "prefetch_factor must be greater than 0"
         self._in_order = getattr(loader, "in_order", True)
         self._shutdown = False
-        self._workers: list = []
-        self._channels: list[Channel] = []
-        self._status = None  # one [stage, batch] word per worker, read when a worker dies
-        self._crash_logs: list[CrashLog] = []  # each worker's faulthandler output
         self._broken: str | None = None  # "Type: message" of the error that shut it down
-        self._ring: Ring | None = None
+        self._pool: WorkerPool | None = None
+        self._scheduler: SlotScheduler | None = None
         self._final_ring_stats: RingStats | None = None
         self._batches = 0
-        self._in_place_bytes = 0  # array bytes workers did not copy (NOTE in worker.py)
         self._clock = BatchClock(getattr(loader, "_timing", True))  # NOTE [ Stage clocks ]
-        self._final_worker_times: list | None = None  # read at shutdown, before the workers go
         self._epoch = 0
         self._loader_ref = weakref.ref(loader)
-        context = loader.multiprocessing_context or torch.multiprocessing
-        start_method = context.get_start_method()
-        max_tasks = self._prefetch_factor * self._num_workers
-        self._ring = Ring(max_tasks + CONSUMER_SLOTS, loader.slot_bytes, loader.max_ring_slots,
-                          getattr(loader, "max_ring_bytes", None))
-        self._release = self._ring.release_callback()
-        self._known_generation: list[dict[int, int]] = [{} for _ in range(self._num_workers)]
-        self._grants: list[set[int]] = [set() for _ in range(self._num_workers)]
-        self._grant_quota = min(GRANTS_PER_WORKER, self._prefetch_factor)
-        # (epoch, batch) -> worker, in the order sent: tasks whose result has not come back yet
-        self._unreceived: dict[tuple[int, int], int] = {}
         self._events: collections.deque = collections.deque()  # results read ahead of their wait
-        self._pinner = None
+        self._task_info: dict[int, tuple] = {}
+        pinner = None
         if self._pin_memory:  # torch's base class set this only where an accelerator exists
             from .cuda import SlotPinner
 
-            self._pinner = SlotPinner(self._pin_memory_device)
-            self._release = self._pinner.fence_releases(self._release)  # NOTE [ Release fence ]
+            pinner = SlotPinner(self._pin_memory_device)
+        self._pinner = pinner
+        self._scheduler = SlotScheduler(
+            self._num_workers, self._prefetch_factor, slot_bytes=loader.slot_bytes,
+            max_slots=loader.max_ring_slots, max_bytes=getattr(loader, "max_ring_bytes", None), pinner=pinner)
+        context = loader.multiprocessing_context or torch.multiprocessing
+        payload, mode = self._worker_payload(loader)
 
-        if self._auto_collation and self._collate_fn is torch_collate.default_collate:
-            mode = COLLATE_INTO_SLOT
-        elif not self._auto_collation and self._collate_fn is torch_collate.default_convert:
-            mode = COLLATE_CONVERT
-        else:
-            mode = COLLATE_CUSTOM
-        payload = Shipped((self._dataset, self._collate_fn if mode == COLLATE_CUSTOM else None,
-                           loader.worker_init_fn))
+        def make_spec(worker_id: int) -> WorkerSpec:
+            return WorkerSpec(
+                worker_id=worker_id, num_workers=self._num_workers, base_seed=self._base_seed,
+                dataset_kind=self._dataset_kind, auto_collation=self._auto_collation,
+                collate_mode=mode, drop_last=self._drop_last, payload=payload,
+                main_pid=os.getpid(), forked=context.get_start_method() == "fork",
+                ring_depth=self._ring.depth, resume_state=self._resumable.worker_resume(worker_id),
+            )
+
         try:
-            self._status = create_segment(status_offset(self._num_workers), 0, "the workers' status words")
-            for worker_id in range(self._num_workers):  # what a worker dead before its first word did
-                init_block(self._status, status_offset(worker_id), BOOTING, self._clock.enabled)
-            for worker_id in range(self._num_workers):
-                channel, child_sock = Channel.pair()
-                self._channels.append(channel)
-                crash_log = CrashLog()
-                self._crash_logs.append(crash_log)
-                channel.send(("status", self._status.size), (self._status.fd, crash_log.write_fd))
-                crash_log.close_write_end()
-                spec = WorkerSpec(
-                    worker_id=worker_id, num_workers=self._num_workers, base_seed=self._base_seed,
-                    dataset_kind=self._dataset_kind, auto_collation=self._auto_collation,
-                    collate_mode=mode, drop_last=self._drop_last, payload=payload,
-                    main_pid=os.getpid(), forked=start_method == "fork",
-                    ring_depth=self._ring.depth, resume_state=self._resumable.worker_resume(worker_id),
-                )
-                process = context.Process(target=worker_main, args=(spec, child_sock),
-                                          name=f"shmloader-worker-{worker_id}", daemon=True)
-                try:
-                    process.start()
-                finally:
-                    child_sock.close()
-                self._workers.append(process)
+            self._pool = WorkerPool(self._num_workers, context, make_spec, self._clock.enabled, self._worker_died)
         except BaseException:
             self._shutdown_workers()
             raise
-        # What every wait selects on, built once (the workers are fixed for this iterator).
-        self._channel_of = {c.fileno(): (worker_id, c) for worker_id, c in enumerate(self._channels)}
-        self._channel_fds = list(self._channel_of)
-        self._sentinel_of = {p.sentinel: worker_id for worker_id, p in enumerate(self._workers)}
-        # ... and the spare-segment thread's wake-ups (NOTE [ Spare segments ] in spares.py)
-        self._wait_fds = self._channel_fds + list(self._sentinel_of) + [self._ring.spare_wakeup_fd]
-        self._everything = _Poller(self._wait_fds)  # polled at every wait and read-ahead, made once
-        self._messages = _Poller(self._channel_fds)
+        pool = self._pool
+        self._scheduler.send = pool.send  # not self._send: no cycle through the iterator
+        # What every wait polls, built once: results, deaths, and spare segments made ahead
+        # (NOTE [ Spare segments ] in spares.py).
+        self._everything = Poller(list(pool.channel_of) + list(pool.sentinel_of) + [self._scheduler.wakeup_fd])
+        self._messages = Poller(list(pool.channel_of))
         self._reset(loader, first_iter=True)
+
+    def _worker_payload(self, loader) -> tuple[Shipped, str]:
+        """What each worker unpickles (dataset, collate_fn, worker_init_fn), and how it collates."""
+        if self._auto_collation and self._collate_fn is default_collate:
+            mode = COLLATE_INTO_SLOT
+        elif not self._auto_collation and self._collate_fn is default_convert:
+            mode = COLLATE_CONVERT
+        else:
+            mode = COLLATE_CUSTOM
+        return Shipped((self._dataset, self._collate_fn if mode == COLLATE_CUSTOM else None,
+                        loader.worker_init_fn)), mode
+
+    # The parts, by the names tests and tools know them by.
+    @property
+    def _ring(self) -> Ring:
+        return self._scheduler.ring
+
+    @property
+    def _workers(self) -> list:
+        return self._pool.processes if self._pool is not None else []
 
     # -- epochs ------------------------------------------------------------------------------------
 
@@ -360,7 +305,7 @@ class _ShmLoaderIter(_BaseDataLoaderIter):
         self._clock.new_epoch()
         self._send_idx = 0
         self._rcvd_idx = 0
-        self._task_info: dict[int, tuple] = {}
+        self._task_info = {}
         self._tasks_outstanding = 0
         self._workers_status = [True] * self._num_workers
         self._workers_num_tasks = [0] * self._num_workers
@@ -369,9 +314,9 @@ class _ShmLoaderIter(_BaseDataLoaderIter):
             self._events.clear()  # read ahead in the last epoch, never delivered: free their slots
             self._epoch += 1
             for worker_id in range(self._num_workers):
-                self._send(worker_id, ("resume", self._epoch))
+                self._send(worker_id, Resume(self._epoch))
             self._resumed = 0
-            # Stale results of the last epoch arrive before each worker's "resumed" and free
+            # Stale results of the last epoch arrive before each worker's Resumed and free
             # their slots here.
             self._wait_for_event(until=lambda: self._resumed >= self._num_workers)
         self._resumable.before_prime(self, loader, first_iter)  # resume a loaded state
@@ -401,103 +346,15 @@ class _ShmLoaderIter(_BaseDataLoaderIter):
                     break
         else:
             return
-        self._send(worker_id, ("task", self._epoch, self._send_idx, index))
-        self._unreceived[(self._epoch, self._send_idx)] = worker_id
-        self._grant_in_order()
+        self._send(worker_id, Task(self._epoch, self._send_idx, index))
+        self._scheduler.task_sent(self._epoch, self._send_idx, worker_id)
         self._task_info[self._send_idx] = (worker_id,)
         self._workers_num_tasks[worker_id] += 1
         self._tasks_outstanding += 1
         self._send_idx += 1
 
-    def _grant_in_order(self) -> None:
-        """Grant free slots for the tasks whose results are owed, in the order the tasks were
-        sent, up to GRANTS_PER_WORKER ahead per worker (NOTE [ Slot grants ]).
-
-        A worker writes its tasks in order, so its k-th grant serves its k-th owed task; granting
-        in send order keeps the granted tasks a prefix of the owed ones.  When slots are scarce
-        (a cap the user set) the earliest batch is the one that gets the slot, never a later one
-        that would only wait in the reorder buffer: no priority inversion, no deadlock.  Granted
-        plus received-but-not-yielded slots stay within num_workers × prefetch_factor, as torch's
-        in-flight batches do; held batches are detached from the ring (NOTE [ Held batches ])."""
-        owed = [0] * self._num_workers
-        waiting_for_spares = 0
-        for worker_id in self._unreceived.values():
-            owed[worker_id] += 1
-            if owed[worker_id] > self._grant_quota or len(self._grants[worker_id]) >= owed[worker_id]:
-                continue
-            ahead = owed[worker_id] > 1  # a grant to go on with: never worth a new segment
-            if ahead:
-                if not self._ring.has_free_created_slot():
-                    continue
-            elif not self._slot_available():
-                break
-            elif self._ring.should_wait_for_spare():  # NOTE [ Spare segments ] in spares.py
-                waiting_for_spares += 1
-                continue
-            self._grant(worker_id, created_only=ahead)
-        self._ring.want_spares(waiting_for_spares)
-        self._forget_retired()
-
-    def _grant(self, worker_id: int, created_only: bool = False) -> None:
-        ring = self._ring
-        slot = ring.take_free_slot(prefer=self._known_generation[worker_id], created_only=created_only)
-        generation, capacity, hint = ring.task_geometry(slot)
-        if capacity and self._pinner is not None:
-            self._pinner.pin(ring.segment(slot))  # a segment made ahead (spares.py): once each
-        fds: tuple[int, ...] = ()
-        if capacity and self._known_generation[worker_id].get(slot) != generation:
-            fds = (ring.fd(slot),)
-            self._known_generation[worker_id][slot] = generation
-        self._send(worker_id, ("grant", slot, generation, capacity, hint), fds)
-        self._grants[worker_id].add(slot)
-
-    def _send(self, worker_id: int, message: tuple, fds: tuple[int, ...] = ()) -> None:
-        """Send to a worker; a socket its end of which is gone means the worker is gone, and it
-        is reported as such (with its last words, if it sent any), never as a BrokenPipeError."""
-        try:
-            self._channels[worker_id].send(message, fds)
-        except (BrokenPipeError, ConnectionResetError):
-            self._worker_died(worker_id)
-
-    def _forget_retired(self) -> None:
-        """Tell the workers that still map a detached or pre-growth segment to unmap it, so that
-        its memory goes when the main process's last view does (and stats() tells the truth)."""
-        for slot, generation in self._ring.take_retired():
-            for worker_id, known in enumerate(self._known_generation):
-                if known.get(slot) == generation:
-                    del known[slot]
-                    self._send(worker_id, ("forget", slot, generation))
-
-    def _slot_available(self) -> bool:
-        """Whether a slot can be granted now: a free one, one whose copy fence completes (waiting
-        for it beats a new segment), or a held one to detach within the user's cap."""
-        ring = self._ring
-        ring.collect_released()
-        if ring.has_free_slot():
-            return True
-        if self._pinner is not None and self._pinner.pending():
-            self._pinner.pump(wait=True)  # NOTE [ Release fence ] in cuda.py
-            ring.collect_released()
-        return ring.can_take()
-
-    def _replenish(self) -> None:
-        """Take back released slots and grant them to workers that have work."""
-        if self._pinner is not None:
-            self._pinner.pump()  # NOTE [ Release fence ] in cuda.py
-        self._ring.collect_released()
-        self._ring.drain_spare_wakeups()
-        self._grant_in_order()
-
-    def _check_not_starved(self) -> None:
-        """Raise RingFullError if no worker with work can ever get a slot: every one that owes a
-        result has no grant, and the ring can neither free nor detach one (a user's cap)."""
-        owing = set(self._unreceived.values())
-        if not owing or any(self._grants[w] for w in owing):
-            return
-        if self._pinner is not None:
-            self._pinner.pump(wait=True)  # slots waiting for their copies' fence come back
-        self._ring.make_room()  # collects garbage once, raises if still full
-        self._grant_in_order()
+    def _send(self, worker_id: int, message, fds: tuple[int, ...] = ()) -> None:
+        self._pool.send(worker_id, message, fds)
 
     # -- the next batch ------------------------------------------------------------------------------
 
@@ -505,7 +362,7 @@ class _ShmLoaderIter(_BaseDataLoaderIter):
         return self._resumable.next(self, super().__next__)  # a pending fast-forward, the epoch's end
 
     def _next_data(self):
-        if self._shutdown:  # NOTE [ Shutdown ]: ended (StopIteration) or broken (raise again)
+        if self._shutdown:  # NOTE [ Shutdown ] in pool.py: ended (StopIteration) or broken (raise again)
             if self._broken is not None:
                 raise LoaderBrokenError(
                     f"this DataLoader iterator was shut down by an earlier error ({self._broken}); "
@@ -527,7 +384,7 @@ class _ShmLoaderIter(_BaseDataLoaderIter):
 
     def _next_data_inner(self):
         self._read_ahead()
-        self._replenish()
+        self._scheduler.replenish()
         while True:
             while self._rcvd_idx < self._send_idx:
                 info = self._task_info.get(self._rcvd_idx)
@@ -582,15 +439,16 @@ class _ShmLoaderIter(_BaseDataLoaderIter):
         if until is None and self._events:
             return self._events.popleft()
         deadline = time.monotonic() + self._timeout if self._timeout > 0 else None
-        channel_of, sentinel_of = self._channel_of, self._sentinel_of
+        channel_of, sentinel_of = self._pool.channel_of, self._pool.sentinel_of
+        scheduler = self._scheduler
         while True:
-            self._replenish()
-            self._check_not_starved()
+            scheduler.replenish()
+            scheduler.check_not_starved()
             wait = POLL_SECONDS if deadline is None else max(0.0, min(POLL_SECONDS, deadline - time.monotonic()))
             ready = self._everything.ready(wait)
             for fd in ready:
                 if fd in channel_of:
-                    event = self._receive(*channel_of[fd])
+                    event = self._receive(channel_of[fd][0])
                     if event is not None:
                         return event
                     if until is not None and until():
@@ -613,79 +471,53 @@ class _ShmLoaderIter(_BaseDataLoaderIter):
         """Handle every message already waiting (no blocking), so that slots come back and are
         granted again at each next(), not only when the loop has to wait for a batch.  The
         results are queued, in arrival order, for _wait_for_event."""
-        channel_of = self._channel_of
+        channel_of = self._pool.channel_of
         while True:
             ready = self._messages.ready(0)
             if not ready:
                 return
             for fd in ready:
-                event = self._receive(*channel_of[fd])
+                event = self._receive(channel_of[fd][0])
                 if event is not None:
                     self._events.append(event)
 
-    def _receive(self, worker_id: int, channel: Channel):
-        """Read and handle one message of a worker; a closed socket is a dead worker."""
-        try:
-            message, fds = channel.recv()
-        except (ChannelClosed, ConnectionError):
-            self._worker_died(worker_id)
+    def _receive(self, worker_id: int):
+        """Read and handle one message of a worker."""
+        message, fds = self._pool.receive(worker_id)
         return self._handle(worker_id, message, fds)
 
-    def _handle(self, worker_id: int, message: tuple, fds: list[int]):
-        kind = message[0]
-        if kind == "resumed":
+    def _handle(self, worker_id: int, message, fds: list[int]):
+        """Act on a worker's message; a result of this epoch comes back as (idx, worker_id, what)."""
+        kind = type(message)
+        if kind is Ready:
+            batch = self._scheduler.ready(worker_id, message, fds, deliver=message.epoch == self._epoch)
+            return None if batch is None else (message.idx, worker_id, batch)
+        if kind is State:  # a worker's dataset state after a batch (NOTE [ Resuming mid-epoch ])
+            self._resumable.on_worker_state(self, worker_id, message)
+            return None
+        if kind is Resumed:
             self._resumed += 1
             return None
-        if kind == "fatal":  # an error outside any task: the worker is exiting
-            stage, payload = message[1], message[2]
+        if kind is Fatal:  # an error outside any task: the worker is exiting
             try:
-                _Failure(worker_id, self._workers[worker_id].pid, None, stage, payload).reraise()
+                _Failure(worker_id, self._workers[worker_id].pid, None, message.stage, message.payload).reraise()
             except BaseException as exc:
                 self._break(exc)
                 raise
-        if kind == "state":  # a worker's dataset state after a batch (NOTE [ Resuming mid-epoch ])
-            self._resumable.on_worker_state(self, worker_id, message)
-            return None
-        epoch, idx = message[1], message[2]
-        self._unreceived.pop((epoch, idx), None)
-        if kind == "ready":
-            slot, generation, capacity = message[3], message[4], message[5]
-            self._in_place_bytes += message[6]
-            self._grants[worker_id].discard(slot)
-            if fds:
-                self._ring.adopt(slot, fds[0], capacity, generation)
-                self._known_generation[worker_id][slot] = generation
-                self._forget_retired()  # other workers' mappings of the pre-growth segment
-                if self._pinner is not None:
-                    self._pinner.pin(self._ring.segment(slot))  # once per slot segment
-            if epoch != self._epoch:
-                self._ring.unassign(slot)
+        if kind is Failed or kind is End:
+            self._scheduler.result_in(message.epoch, message.idx)
+            if message.epoch != self._epoch:
                 return None
-            lease, descriptor, payload_end = self._ring.lease(slot, idx, self._release)
-            batch = layout.read_batch(lease, descriptor, payload_end)
-            return idx, worker_id, batch
-        if epoch != self._epoch:
-            return None
-        if kind == "end":
-            return idx, worker_id, _END
-        if kind == "error":
-            stage, payload = message[3], message[4]
-            return idx, worker_id, _Failure(worker_id, self._workers[worker_id].pid, idx, stage, payload)
-        raise SlotProtocolError(f"unknown message {kind!r} from worker {worker_id}")
+            if kind is End:
+                return message.idx, worker_id, _END
+            return message.idx, worker_id, _Failure(worker_id, self._workers[worker_id].pid, message.idx,
+                                                    message.stage, message.payload)
+        raise SlotProtocolError(f"unexpected message {message!r:.200} from worker {worker_id}")
 
     def _worker_died(self, worker_id: int):
-        channel = self._channels[worker_id]
-        while mp_connection.wait([channel.fileno()], timeout=0):  # its last words, if any
-            try:
-                message, fds = channel.recv()
-            except (ChannelClosed, ConnectionError):
-                break
-            self._handle(worker_id, message, fds)  # raises for a "fatal" message
-        process = self._workers[worker_id]
-        process.join(timeout=1.0)
-        doing = describe_stage(self._status, worker_id)
-        error = WorkerDiedError(worker_id, process.pid, process.exitcode, doing,
-                                self._crash_logs[worker_id].read())
+        for message, fds in self._pool.last_words(worker_id):
+            self._handle(worker_id, message, fds)  # raises for a Fatal message
+        error = self._pool.death(worker_id)
         self._break(error)
         raise error
 
@@ -701,79 +533,42 @@ class _ShmLoaderIter(_BaseDataLoaderIter):
 
     def stats(self) -> LoaderStats:
         ring_stats = self._final_ring_stats or self._ring.stats()
+        pool = self._pool
         return LoaderStats(
             ring_slots=ring_stats.slots, slot_bytes=ring_stats.slot_bytes,
             ring_bytes=ring_stats.ring_bytes, held_segments=ring_stats.held_segments,
             held_bytes=ring_stats.held_bytes, reserved_bytes=ring_stats.reserved_bytes,
             in_use_bytes=ring_stats.in_use_bytes, detached=ring_stats.detached,
             slot_grows=ring_stats.slot_grows, made_ahead=ring_stats.made_ahead, batches=self._batches,
-            in_place_bytes=self._in_place_bytes,
-            control_bytes=sum(c.bytes_sent + c.bytes_received for c in self._channels),
-            control_messages=sum(c.messages_sent + c.messages_received for c in self._channels),
+            in_place_bytes=self._scheduler.in_place_bytes,
+            control_bytes=pool.control_bytes if pool is not None else 0,
+            control_messages=pool.control_messages if pool is not None else 0,
             timing=self._timing_stats(),
         )
-
-    def _worker_times(self) -> list | None:
-        """Each worker's stage clocks (NOTE [ Stage clocks ]), live or as read at shutdown."""
-        if self._status is None or not self._clock.enabled:
-            return self._final_worker_times
-        now = time.monotonic_ns()
-        return [diagnosis.worker_timing(worker_id, read_block(
-                    self._status, status_offset(worker_id), process.pid, now))
-                for worker_id, process in enumerate(self._workers)]
 
     def _timing_stats(self) -> diagnosis.LoaderTiming | None:
         if not self._clock.enabled:
             return None
-        return diagnosis.diagnose(self._clock, self._worker_times() or [], self._prefetch_factor,
+        times = self._pool.worker_times() if self._pool is not None else None
+        return diagnosis.diagnose(self._clock, times or [], self._prefetch_factor,
                                   time.monotonic_ns(), time.process_time_ns())
 
     def _shutdown_workers(self) -> None:
-        """See NOTE [ Shutdown ]."""
+        """See NOTE [ Shutdown ] in pool.py."""
         if self._shutdown:
             return
         self._shutdown = True
         try:
-            self._final_worker_times = self._worker_times()  # while /proc still has them
-        except Exception:
-            pass
-        try:
-            for channel in self._channels:
-                try:
-                    channel.send(("stop",))
-                except OSError:
-                    pass
-            deadline = time.monotonic() + STOP_GRACE_SECONDS
-            for process in self._workers:
-                process.join(timeout=max(0.0, deadline - time.monotonic()))
-            for process in self._workers:
-                if process.is_alive():
-                    process.terminate()
-            for process in self._workers:
-                process.join(timeout=2.0)
-                if process.is_alive():
-                    process.kill()
-                    process.join()
+            if self._pool is not None:
+                self._pool.stop()
         finally:
-            for channel in self._channels:
-                channel.close()
-            for crash_log in self._crash_logs:
-                crash_log.close()
-            for process in self._workers:
-                try:
-                    process.close()
-                except ValueError:
-                    pass
-            if self._status is not None:
-                self._status.close_fd()
-                self._status = None  # unmapped now, not when the (maybe still referenced) iterator goes
-            if self._ring is not None:
+            if self._scheduler is not None:
                 self._final_ring_stats = self._ring.stats()
-                self._ring.close()
+                self._scheduler.close()
             self._task_info = {}  # batches buffered for reordering: never delivered, unmap them
             self._events.clear()
             loader = self._loader_ref()
-            if loader is not None:
+            if loader is not None and self._scheduler is not None:
                 loader._final_stats = self.stats()
 
     def __del__(self) -> None:

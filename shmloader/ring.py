@@ -1,11 +1,8 @@
 """The ring: the main process's set of shared-memory slots, and the policy that sizes it.
 
 NOTE [ Slot lifecycle ]
-  A slot is one POSIX shared-memory segment.  Its name exists only for the instant between
-  shm_open and shm_unlink inside `create_segment`: processes share it by passing the fd over
-  their control socket (SCM_RIGHTS), so no crash of any process can leave an entry behind in
-  /dev/shm.  Its pages are reserved with posix_fallocate when it is created, so a /dev/shm that
-  is too small is a ShmCapacityError then, never a SIGBUS in a worker later.
+  A slot is one shared-memory segment (NOTE [ Segments ] in segment.py: nameless, passed by fd,
+  reserved up front).
 
   main: free ──grant───▶ worker k: claim (WRITING) ──publish──▶ READY ──main: acquire──▶ LEASED
           ▲                                                                              │
@@ -42,78 +39,24 @@ NOTE [ Ring size ]
 
 from __future__ import annotations
 
-import errno
 import gc
 import os
-import secrets
 import warnings
 import weakref
 from collections import deque
 from dataclasses import dataclass
 
-import posix_ipc
-
 from . import _ring
+from . import segment as shm_segment
 from .errors import RingFullError, ShmCapacityError, SlotProtocolError
 from .ownership import register_parent_only
+from .segment import create_segment, page_round
 from .spares import SpareMaker
 
-SHM_DIR = "/dev/shm"
-PAGE = os.sysconf("SC_PAGE_SIZE")
 CONSUMER_SLOTS = 2
-MIN_HEADROOM = 64 * 1024
 
 # The main process's view of a slot (the header's state word has WRITING/READY in between).
 _FREE, _DISPATCHED, _LEASED = "free", "granted", "leased"
-
-
-def page_round(nbytes: int) -> int:
-    return (nbytes + PAGE - 1) // PAGE * PAGE
-
-
-def shm_free_bytes(path: str | None = None) -> int:
-    st = os.statvfs(path if path is not None else SHM_DIR)  # SHM_DIR read now: tests patch it
-    return st.f_bavail * st.f_frsize
-
-
-def slot_capacity(needed: int, current: int, learnt: int) -> int:
-    """Capacity of a new segment for a slot that must hold `needed` bytes.
-
-    A slot created for the first time takes the ring's learnt size (`learnt`, 0 before the first
-    batch) or, when the batch is larger or nothing is learnt yet, exactly what it needs, page
-    rounded: equal batches then waste nothing.  A slot that must grow gets 1/8 headroom (at least
-    64 KiB) and at least 1.5 × its current size, so that variable-size batches grow it rarely."""
-    if current == 0:
-        return learnt if needed <= learnt else page_round(needed)
-    return page_round(max(needed + max(needed // 8, MIN_HEADROOM), current + current // 2))
-
-
-def create_segment(capacity: int, generation: int, what: str = "a ring slot",
-                   populate: bool = True) -> _ring.Segment:
-    """A new, reserved, mapped and already-unlinked slot segment of `capacity` bytes; mapped
-    without `populate` by a process that will touch little of it (the main process)."""
-    capacity = page_round(max(capacity, _ring.HEADER_BYTES))
-    free = shm_free_bytes()
-    if capacity > free:  # fail before posix_fallocate briefly fills /dev/shm for everyone else
-        raise ShmCapacityError(capacity, free, SHM_DIR, what)
-    name = "/shmloader-" + secrets.token_hex(16)
-    mem = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=0o600)
-    try:
-        fd = os.dup(mem.fd)
-    finally:
-        mem.close_fd()
-        mem.unlink()
-    try:
-        os.ftruncate(fd, capacity)
-        _ring.reserve(fd, capacity)
-        segment = _ring.Segment(fd, capacity, populate=populate)
-    except OSError as exc:
-        os.close(fd)
-        if exc.errno in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG):
-            raise ShmCapacityError(capacity, free, SHM_DIR, what) from exc
-        raise
-    segment.init_header(generation)
-    return segment
 
 
 @dataclass(frozen=True)
@@ -182,11 +125,11 @@ class Ring:
         allocated = self.segments()
         missing = self.depth - len(allocated)
         needed = missing * self.slot_bytes
-        free = shm_free_bytes()
+        free = shm_segment.shm_free_bytes()
         if needed > free:
             total = sum(s.size for s in allocated) + needed
             raise ShmCapacityError(
-                total, free + sum(s.size for s in allocated), SHM_DIR,
+                total, free + sum(s.size for s in allocated), shm_segment.SHM_DIR,
                 f"the ring ({self.depth} slots of {self.slot_bytes} bytes)",
             )
 

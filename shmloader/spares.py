@@ -160,8 +160,10 @@ class SpareMaker:
         self._close_pipe()
 
     def _close_pipe(self) -> None:
+        """Close the wake-up pipe once (its fd numbers are soon reused by other objects)."""
         for fd in (self._wake_read, self._wake_write):
             try:
                 os.close(fd)
             except OSError:
                 pass
+        self._wake_read = self._wake_write = -1

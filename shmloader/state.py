@@ -45,13 +45,12 @@ from collections import deque
 from typing import Any
 
 import torch
-from torch.utils.data.dataloader import (
-    _DatasetKind,
-    _InfiniteConstantSampler,
-    _SingleProcessDataLoaderIter,
-)
 
 from ._version import __version__
+from .protocol import State
+from .torch_private import DatasetKind as _DatasetKind
+from .torch_private import InfiniteConstantSampler as _InfiniteConstantSampler
+from .torch_private import SingleProcessDataLoaderIter as _SingleProcessDataLoaderIter
 
 FORMAT = 1  # bump on any change to what a state holds or means; older ones are refused
 FORMAT_KEY = "shmloader_state_format"
@@ -123,7 +122,7 @@ def send_batch_state(worker, epoch: int, idx: int) -> None:
     fetcher = worker.fetcher
     taken = capture(worker.spec.dataset_kind, fetcher.dataset, fetcher)
     if taken is not None:
-        worker.channel.send(("state", epoch, idx, taken))
+        worker.channel.send(State(epoch, idx, taken))
 
 
 def send_epoch_state(worker, epoch: int) -> None:
@@ -138,7 +137,7 @@ def send_epoch_state(worker, epoch: int) -> None:
         worker.init_error = ("saving the dataset's state (state_dict)", exception_payload(exc))
         return
     if taken is not None:
-        worker.channel.send(("state", epoch, -1, taken))
+        worker.channel.send(State(epoch, -1, taken))
 
 
 # -- the main process ------------------------------------------------------------------------------
@@ -402,10 +401,10 @@ class IterState:
         else:
             self.sent.append((it._send_idx, self.yielded, None, None))
 
-    def on_worker_state(self, it, worker_id: int, message: tuple) -> None:
-        """A worker's ("state", epoch, batch, state): kept until that batch is delivered
+    def on_worker_state(self, it, worker_id: int, message) -> None:
+        """A worker's State(epoch, batch, state): kept until that batch is delivered
         (batch -1: the worker's state at the epoch's start)."""
-        _, epoch, idx, taken = message
+        epoch, idx, taken = message
         if epoch != it._epoch:
             return  # a stale epoch's
         if idx < 0:

@@ -2,10 +2,10 @@
 
 NOTE [ Stage clocks ]
   Each worker owns one STATUS_BLOCK_BYTES block of the status segment (created by the main
-  process, shared with the workers at start-up; worker.py's `status_offset` gives its offset), a
+  process, shared with the workers at start-up; protocol.py's `status_offset` gives its offset), a
   row of int64 words:
 
-      word  0  stage        the stage the worker is in (an index into worker.STAGES)
+      word  0  stage        the stage the worker is in (an index into protocol.STAGES)
             1  batch        the batch it is for, or -1
             2  since_ns     CLOCK_MONOTONIC when it entered that stage (0: not started)
             3  batches      batches begun (entries into "fetching")

@@ -11,7 +11,7 @@ One worker's loop (NOTE [ Slot lifecycle ] in ring.py has the slot's side):
                  wait for a "grant" message if none is in hand); a slot too small is replaced by
                  a larger segment that this worker creates (its fd travels back with the result)
       → write    claim s, copy (GIL released, in C), publish s
-    send ("ready", epoch, n, s, generation, capacity, bytes not copied)
+    send Ready(epoch, n, s, generation, capacity, bytes not copied)   (protocol.py)
 
 Seeding, `get_worker_info()` and the fetchers are torch's own, so datasets that shard themselves
 or draw random numbers behave exactly as under torch's DataLoader.
@@ -26,7 +26,6 @@ import pickle
 import random
 import select
 import signal
-import struct
 import threading
 import time
 import traceback
@@ -35,17 +34,41 @@ from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 import torch
-from torch.utils.data._utils import collate as torch_collate
-from torch.utils.data._utils import worker as torch_worker
+from torch.utils.data import default_convert
 
-from . import layout
+from . import layout, protocol, torch_private
 from .arena import SlotTensorMode, empty_tensor
 from .channel import Channel, ChannelClosed
 from .errors import SlotProtocolError
 from .ownership import close_parent_only_in_child
-from .ring import create_segment, slot_capacity
+from .protocol import (
+    AWAITING_SLOT,
+    BOOTING,
+    COLLATING,
+    FETCHING,
+    IDLE,
+    INIT_FN,
+    LAYING_OUT,
+    STAGES,
+    STARTING,
+    UNPICKLING,
+    WRITING,
+    End,
+    Failed,
+    Fatal,
+    Forget,
+    Grant,
+    Ready,
+    Resume,
+    Resumed,
+    Stop,
+    Task,
+    check_version,
+    status_offset,
+)
+from .segment import create_segment, slot_capacity
 from .state import send_batch_state, send_epoch_state, start_fetcher
-from .timing import MAX_STAGES, STATUS_BLOCK_BYTES, stage_clock
+from .timing import stage_clock
 
 # How the batch is built in the worker.
 COLLATE_INTO_SLOT = "slot"  # collate_fn is torch's default_collate: rows written in place
@@ -66,39 +89,6 @@ COLLATE_CUSTOM = "custom"  # the user's collate_fn, output copied once (or born 
 #   segment (`_move_batch`), so a kept array never shares bytes with a slot written again.
 #   SHMLOADER_SLOT_ARENA=0 turns it off.
 ARENA_MIN_BYTES = 16 * 1024
-
-
-# What a worker is doing, as it records it in its status word (for a death report: a worker
-# killed by a signal cannot say it itself).
-STAGES = (
-    "starting up (importing modules and unpickling its arguments, before shmloader's code ran)",
-    "idle (waiting for a task)",
-    "unpickling the dataset, collate_fn and worker_init_fn",
-    "running worker_init_fn",
-    "starting the dataset (creating its iterator)",
-    "waiting for a slot to write into",
-    "fetching samples (dataset __getitem__ / __iter__)",
-    "collating the batch (collate_fn)",
-    "laying out the batch",
-    "writing the batch into its slot",
-)
-(BOOTING, IDLE, UNPICKLING, INIT_FN, STARTING, AWAITING_SLOT, FETCHING, COLLATING, LAYING_OUT, WRITING) = range(len(STAGES))
-
-
-STATUS_WORD = struct.Struct("<qq")  # (stage, batch), one per worker in the status segment
-# Each worker's status word opens its block of stage clocks (NOTE [ Stage clocks ] in timing.py).
-assert len(STAGES) <= MAX_STAGES
-
-
-def describe_stage(segment, worker_id: int) -> str:
-    """'fetching samples (...) for batch 7': what a worker last recorded in the status segment."""
-    stage, idx = STATUS_WORD.unpack(segment.read(status_offset(worker_id), STATUS_WORD.size))
-    name = STAGES[stage] if 0 <= stage < len(STAGES) else f"stage {stage}"
-    return name if idx < 0 else f"{name} for batch {idx}"
-
-
-def status_offset(worker_id: int) -> int:
-    return layout.HEADER_BYTES + worker_id * STATUS_BLOCK_BYTES
 
 
 class Shipped:
@@ -168,7 +158,7 @@ def _collate_tensors_without_shm(batch, *, collate_fn_map=None):
     return torch.stack(batch, 0, out=out)
 
 
-_TORCH_COLLATE_TENSOR = torch_collate.default_collate_fn_map[torch.Tensor]
+_TORCH_COLLATE_TENSOR = torch_private.default_collate_fn_map[torch.Tensor]
 
 
 def _keep_freed_memory() -> None:
@@ -229,7 +219,7 @@ def worker_main(spec: WorkerSpec, sock) -> None:
         pass  # the main process went away or closed us: nothing left to report to
     except BaseException as exc:  # outside any task (tasks report their own): say it, then exit
         try:
-            channel.send(("fatal", worker.stage, exception_payload(exc)))
+            channel.send(Fatal(worker.stage, exception_payload(exc)))
         except OSError:
             pass
         raise
@@ -265,15 +255,15 @@ class _Worker:
     def _start(self) -> None:
         spec = self.spec
         message, fds = self.channel.recv()
-        if message[0] != "status" or len(fds) != 2:
+        if not isinstance(message, protocol.Hello) or len(fds) != 2:
             for fd in fds:
                 os.close(fd)
-            raise SlotProtocolError(
-                f"worker {spec.worker_id} expected its status segment and crash log, got "
-                f"{message[0]!r} with {len(fds)} fds")
+        check_version(message, spec.worker_id)  # NOTE in protocol.py: both sides speak one version
+        if len(fds) != 2:
+            raise SlotProtocolError(f"worker {spec.worker_id} expected 2 fds with Hello, got {len(fds)}")
         from ._ring import Segment
 
-        self.status = Segment(fds[0], message[1])
+        self.status = Segment(fds[0], message.status_bytes)
         self.status.close_fd()
         self.clock = stage_clock(self.status, status_offset(spec.worker_id), IDLE, FETCHING)
         self.crash_file = os.fdopen(fds[1], "w")
@@ -284,14 +274,12 @@ class _Worker:
         torch.manual_seed(seed)
         import numpy as np
 
-        np.random.seed(torch_worker._generate_state(spec.base_seed, spec.worker_id))
-        torch_collate.default_collate_fn_map[torch.Tensor] = _collate_tensors_without_shm
+        np.random.seed(torch_private.numpy_worker_seed(spec.base_seed, spec.worker_id))
+        torch_private.default_collate_fn_map[torch.Tensor] = _collate_tensors_without_shm
         stage = self._enter(UNPICKLING)
         try:
             self.dataset, self.collate_fn, init_fn = spec.payload.load()
-            torch_worker._worker_info = torch_worker.WorkerInfo(
-                id=spec.worker_id, num_workers=spec.num_workers, seed=seed, dataset=self.dataset
-            )
+            torch_private.set_worker_info(spec.worker_id, spec.num_workers, seed, self.dataset)
             stage = self._enter(INIT_FN)
             if init_fn is not None:
                 init_fn(spec.worker_id)
@@ -302,10 +290,8 @@ class _Worker:
         self._enter(IDLE)
 
     def _new_fetcher(self) -> None:
-        from torch.utils.data.dataloader import _DatasetKind
-
         self.ended = False
-        self.fetcher = _DatasetKind.create_fetcher(
+        self.fetcher = torch_private.create_fetcher(
             self.spec.dataset_kind, self.dataset, self.spec.auto_collation, _identity, self.spec.drop_last
         )
 
@@ -315,31 +301,31 @@ class _Worker:
         self._start()
         while True:
             message, fds = self.pending.popleft() if self.pending else self.channel.recv()
-            kind = message[0]
-            if kind == "grant":
+            kind = type(message)
+            if kind is Grant:
                 self._take_grant(message, fds)
-            elif kind == "forget":
+            elif kind is Forget:
                 self._forget(message)
-            elif kind == "task":
+            elif kind is Task:
                 try:
                     self._task(message)
                 except _Stopped:
                     return
                 self._enter(IDLE)
-            elif kind == "resume":
+            elif kind is Resume:
                 if self.init_error is None:
                     self._enter(STARTING)
                     try:
                         self._new_fetcher()
                     except Exception as exc:
                         self.init_error = ("starting the dataset (creating its iterator)", exception_payload(exc))
-                send_epoch_state(self, message[1])
+                send_epoch_state(self, message.epoch)
                 self._enter(IDLE)
-                self.channel.send(("resumed", message[1]))
-            elif kind == "stop":
+                self.channel.send(Resumed(message.epoch))
+            elif kind is Stop:
                 return
             else:
-                raise SlotProtocolError(f"worker {self.spec.worker_id} got unknown message {kind!r}")
+                raise SlotProtocolError(f"worker {self.spec.worker_id} got unexpected message {message!r:.200}")
 
     def _attach(self, slot: int, generation: int, capacity: int, fds: list[int]):
         """The worker's mapping of `slot`, checked against what the main process says it is."""
@@ -369,15 +355,15 @@ class _Worker:
             )
         return segment
 
-    def _forget(self, message: tuple) -> None:
+    def _forget(self, message: Forget) -> None:
         """Unmap a segment the main process detached or replaced (NOTE [ Held batches ])."""
-        _, slot, generation = message
+        slot, generation = message
         known = self.segments.get(slot)
         if known is not None and known[0] == generation:
             del self.segments[slot]
 
-    def _take_grant(self, message: tuple, fds: list[int]) -> None:
-        _, slot, generation, capacity, hint = message
+    def _take_grant(self, message: Grant, fds: list[int]) -> None:
+        slot, generation, capacity, hint = message
         self._attach(slot, generation, capacity, fds)
         self.grants.append((slot, generation, capacity, hint))
 
@@ -386,18 +372,19 @@ class _Worker:
         if not self.grants:
             while not self.grants:
                 message, fds = self.channel.recv()
-                if message[0] == "grant":
+                kind = type(message)
+                if kind is Grant:
                     self._take_grant(message, fds)
-                elif message[0] == "forget":
+                elif kind is Forget:
                     self._forget(message)
-                elif message[0] == "stop":
+                elif kind is Stop:
                     raise _Stopped
                 else:
                     self.pending.append((message, fds))
         return self.grants.popleft()
 
-    def _task(self, message: tuple) -> None:
-        _, epoch, idx, index = message
+    def _task(self, message: Task) -> None:
+        epoch, idx, index = message
         spec = self.spec
         stage = STAGES[IDLE]
         grant = None
@@ -406,22 +393,20 @@ class _Worker:
         try:
             if self.init_error is not None:
                 stage, payload = self.init_error
-                self.channel.send(("error", epoch, idx, stage, payload))
+                self.channel.send(Failed(epoch, idx, stage, payload))
                 return
             if self.ended:
-                self.channel.send(("end", epoch, idx))
+                self.channel.send(End(epoch, idx))
                 return
             stage = self._enter(FETCHING, idx)
             try:
                 samples = self.fetcher.fetch(index)
             except StopIteration:
-                from torch.utils.data.dataloader import _DatasetKind
-
-                if spec.dataset_kind != _DatasetKind.Iterable:
+                if spec.dataset_kind != torch_private.DatasetKind.Iterable:
                     raise
                 self.ended = True
                 send_batch_state(self, epoch, idx)
-                self.channel.send(("end", epoch, idx))
+                self.channel.send(End(epoch, idx))
                 return
             send_batch_state(self, epoch, idx)  # NOTE [ Resuming mid-epoch ] in state.py
             if spec.collate_mode == COLLATE_CUSTOM:  # NOTE [ One copy for a numpy collate_fn ]
@@ -432,7 +417,7 @@ class _Worker:
             if spec.collate_mode == COLLATE_INTO_SLOT:
                 batch = layout.collate_into_slot(samples)
             elif spec.collate_mode == COLLATE_CONVERT:
-                batch = torch_collate.default_convert(samples)
+                batch = default_convert(samples)
             else:
                 if arena is not None:
                     with arena, SlotTensorMode(ARENA_MIN_BYTES):
@@ -480,11 +465,11 @@ class _Worker:
             segment.publish(*published)
             grant = None  # handed back with the result
             if grown is not None:
-                self.channel.send(("ready", epoch, idx, slot, generation, segment.size, in_place), (grown.fd,))
+                self.channel.send(Ready(epoch, idx, slot, generation, segment.size, in_place), (grown.fd,))
                 grown.close_fd()
                 self.segments[slot] = (generation, grown)  # known to the main process only now
             else:
-                self.channel.send(("ready", epoch, idx, slot, generation, segment.size, in_place))
+                self.channel.send(Ready(epoch, idx, slot, generation, segment.size, in_place))
         except (ChannelClosed, BrokenPipeError, ConnectionResetError, _Stopped):
             raise
         except Exception as exc:
@@ -492,7 +477,7 @@ class _Worker:
                 if segment is not None and segment.state() == layout._ring.WRITING:
                     segment.release()
                 self.grants.appendleft(grant)
-            self.channel.send(("error", epoch, idx, stage, exception_payload(exc)))
+            self.channel.send(Failed(epoch, idx, stage, exception_payload(exc)))
         finally:
             if arena is not None:
                 arena.release()

@@ -19,9 +19,9 @@ import sys
 
 import pytest
 
-import shmloader.ring as ring_module
+import shmloader.segment as ring_module
 from shmloader import ShmCapacityError, ShmDataLoader
-from shmloader.ring import create_segment, shm_free_bytes
+from shmloader.segment import create_segment, shm_free_bytes
 from tests._capacity_probe import MiB, Sized
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

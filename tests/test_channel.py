@@ -11,6 +11,7 @@ import socket
 import pytest
 
 from shmloader.channel import _FRAME, Channel, ChannelClosed
+from shmloader.protocol import Grant
 
 pytestmark = [pytest.mark.timeout(30), pytest.mark.usefixtures("no_leaks")]
 
@@ -28,9 +29,9 @@ def test_a_message_and_its_fds_arrive_together():
     channel, peer = Channel.pair()
     sender = Channel(peer)
     r, w = os.pipe()
-    sender.send(("grant", 1, 2), (r,))
+    sender.send(Grant(1, 2, 4096, 0), (r,))
     message, fds = channel.recv()
-    assert message == ("grant", 1, 2) and len(fds) == 1
+    assert message == Grant(1, 2, 4096, 0) and type(message) is Grant and len(fds) == 1
     os.write(w, b"x")
     assert os.read(fds[0], 1) == b"x"  # the same pipe, through SCM_RIGHTS
     for fd in (r, w, *fds):

@@ -28,6 +28,7 @@ import shmloader
 from shmloader import CudaPrefetcher, CudaUnavailableError, ShmDataLoader
 from shmloader import cuda as shm_cuda
 from shmloader import ring as shm_ring
+from shmloader import segment as shm_segment
 
 HAS_CUDA = torch.cuda.is_available()
 
@@ -182,7 +183,7 @@ class FakeRuntime:
 
 
 def _segment(nbytes: int = 1 << 16):
-    return shm_ring.create_segment(nbytes, generation=0)
+    return shm_segment.create_segment(nbytes, generation=0)
 
 
 # == import and API without CUDA ===================================================================

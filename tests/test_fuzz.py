@@ -27,7 +27,7 @@ from hypothesis import strategies as st
 from torch.utils.data import DataLoader, Dataset, default_collate
 
 from shmloader import LayoutError, ShmDataLoader, _ring, layout
-from shmloader.ring import create_segment
+from shmloader.segment import create_segment
 
 pytestmark = pytest.mark.usefixtures("no_leaks")
 

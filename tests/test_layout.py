@@ -15,7 +15,7 @@ from torch.utils.data import default_collate
 
 from shmloader import BatchShapeError, LayoutError, SlotProtocolError, layout
 from shmloader._ring import FREE, HEADER_BYTES, LEAF_ALIGN, READY, SlotLease
-from shmloader.ring import create_segment
+from shmloader.segment import create_segment
 
 from . import _datasets as ds
 from ._helpers import address_of, array_leaves, assert_same, nbytes_of

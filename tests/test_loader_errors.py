@@ -23,6 +23,7 @@ from shmloader import (
     ShmDataLoader,
     SlotProtocolError,
     WorkerDiedError,
+    protocol,
 )
 from shmloader.errors import RemoteTraceback
 from shmloader.ring import Ring
@@ -225,15 +226,16 @@ def test_an_error_while_waiting_for_a_slot_names_that_stage():
         worker_id=0, num_workers=1, base_seed=0, dataset_kind=_DatasetKind.Map, auto_collation=True,
         collate_mode=worker_module.COLLATE_CUSTOM, drop_last=False, payload=None,
         main_pid=os.getpid(), forked=False, ring_depth=4)
-    bad_grant = ("grant", 0, 5, 4096, 0)  # generation 5 of a slot, but no segment with it
+    bad_grant = protocol.Grant(0, 5, 4096, 0)  # generation 5 of a slot, but no segment with it
     worker = worker_module._Worker(spec, FakeChannel([(bad_grant, [])]))
     dataset = ds.ArrayDataset(n=4, nbytes=64)
     worker.fetcher = _DatasetKind.create_fetcher(_DatasetKind.Map, dataset, True, worker_module._identity, False)
     worker.collate_fn = np.stack
-    worker._task(("task", 0, 0, [0, 1]))
-    kind, _epoch, idx, stage, payload = worker.channel.sent[-1]
-    assert (kind, idx) == ("error", 0)
-    assert stage == worker_module.STAGES[worker_module.AWAITING_SLOT], stage
+    worker._task(protocol.Task(0, 0, [0, 1]))
+    failed = worker.channel.sent[-1]
+    assert type(failed) is protocol.Failed and failed.idx == 0
+    stage, payload = failed.stage, failed.payload
+    assert stage == protocol.STAGES[protocol.AWAITING_SLOT], stage
     assert "without its segment" in payload[2]
 
 
@@ -244,12 +246,12 @@ def test_a_worker_error_outside_a_task_comes_with_its_message():
     loader = ShmDataLoader(ds.ArrayDataset(n=64, nbytes=1024), batch_size=1, num_workers=2,
                            multiprocessing_context="fork")
     it = iter(loader)
-    it._channels[1].send(("bogus", 42))
+    it._pool.channels[1].send(protocol.Resumed(42))  # a message only workers send
     with pytest.raises(SlotProtocolError) as info:
         for _ in range(64):
             next(it)
     message = str(info.value)
-    assert "DataLoader worker 1" in message and "unknown message 'bogus'" in message, message
+    assert "DataLoader worker 1" in message and "unexpected message Resumed(epoch=42)" in message, message
     assert "exited with status" not in message, message
     with pytest.raises(LoaderBrokenError, match="SlotProtocolError"):
         next(it)

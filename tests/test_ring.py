@@ -13,7 +13,8 @@ import weakref
 import pytest
 
 from shmloader import RingFullError, ShmCapacityError, SlotProtocolError, _ring
-from shmloader.ring import PAGE, Ring, create_segment, page_round, shm_free_bytes
+from shmloader.ring import Ring
+from shmloader.segment import PAGE, create_segment, page_round, shm_free_bytes
 
 from .conftest import shm_entries
 

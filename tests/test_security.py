@@ -18,9 +18,10 @@ import numpy as np
 import posix_ipc
 import pytest
 
-import shmloader.ring as ring_module
+import shmloader.segment as segment_module
 from shmloader import SlotProtocolError, _ring, layout
-from shmloader.ring import Ring, create_segment
+from shmloader.ring import Ring
+from shmloader.segment import create_segment
 from shmloader.worker import _Worker
 
 pytestmark = [pytest.mark.usefixtures("no_leaks"), pytest.mark.timeout(30)]
@@ -43,7 +44,7 @@ class _Recorder:
 
 def test_segments_are_private_exclusive_unguessable_and_unlinked(monkeypatch):
     recorder = _Recorder()
-    monkeypatch.setattr(ring_module.posix_ipc, "SharedMemory", recorder)
+    monkeypatch.setattr(segment_module.posix_ipc, "SharedMemory", recorder)
     segments = []
     for _ in range(32):
         segment = create_segment(64 * 1024, 0)
@@ -65,7 +66,7 @@ def test_segments_are_private_exclusive_unguessable_and_unlinked(monkeypatch):
 def test_a_name_taken_by_someone_else_is_not_attached(monkeypatch):
     squatter = posix_ipc.SharedMemory("/shmloader-" + "ab" * 16, posix_ipc.O_CREX, mode=0o666, size=4096)
     try:
-        monkeypatch.setattr(ring_module.secrets, "token_hex", lambda n: "ab" * 16)
+        monkeypatch.setattr(segment_module.secrets, "token_hex", lambda n: "ab" * 16)
         with pytest.raises(posix_ipc.ExistentialError):
             create_segment(64 * 1024, 0)
     finally:

@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from shmloader import ShmDataLoader, layout
 from shmloader._ring import SlotArena
-from shmloader.ring import create_segment
+from shmloader.segment import create_segment
 
 from ._helpers import assert_same_batches
 

@@ -129,3 +129,20 @@ def test_the_batches_are_torchs():
 
 def _wait(predicate, seconds: float = 10.0) -> bool:
     return wait_until(predicate, seconds)
+
+
+def test_a_closed_ring_in_a_forked_child_closes_nobody_elses_fds():
+    """A ring closed in the main process but still referenced (an old iterator awaiting the
+    garbage collector) is closed again by a forked worker (ownership.py): its spare-thread pipe's
+    old fd numbers, reused since, must not be closed a second time (they are another worker's
+    socket by then: EBADF at start-up)."""
+    ring = shmloader.ring.Ring(4, slot_bytes=1 << 16)
+    ring.close()
+    r, w = os.pipe()  # takes the freed numbers (the lowest free fds)
+    try:
+        ring._spares.close_in_child()  # as close_parent_only_in_child() does, in a forked worker
+        os.fstat(r)  # raises OSError (EBADF) if the ring closed it
+        os.fstat(w)
+    finally:
+        os.close(r)
+        os.close(w)

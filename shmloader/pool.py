@@ -1,0 +1,211 @@
+"""The worker processes of one iterator: start them, talk to them, notice their deaths, stop them.
+
+A WorkerPool owns, per worker, its process, its control channel (channel.py), its crash log
+(crashlog.py) and its block of the status board (NOTE [ Status board ] in protocol.py).  It
+knows nothing of batches, slots or epochs: the iterator (loader.py) decides what to send and
+what a message means; the pool only carries messages and turns a vanished worker into a
+WorkerDiedError that says which worker, its exit, what it was doing and its last traceback.
+
+NOTE [ Shutdown ]
+  At the end of an epoch (unless persistent), on `del`, on an error or on Ctrl-C: send Stop to
+  every worker, give them a moment, terminate the rest (safe: slot segments have no names to
+  leak and the kernel closes their fds), join, close the sockets and the process sentinels, then
+  the iterator closes the ring.  Slots whose batches the user still holds stay mapped until those
+  views are freed.  A shutdown caused by an error leaves the iterator *broken*: every later
+  next() raises LoaderBrokenError (its __cause__ the original error) rather than end the epoch
+  quietly; an epoch that simply ended raises StopIteration.  A worker's own exception inside a
+  task is not an error of the loader: it is raised at its batch's turn and the epoch goes on, as
+  in torch.
+"""
+
+from __future__ import annotations
+
+import math
+import select
+import time
+import weakref
+
+from . import diagnosis
+from .channel import Channel, ChannelClosed
+from .crashlog import CrashLog
+from .errors import WorkerDiedError
+from .protocol import (
+    BOOTING,
+    PROTOCOL_VERSION,
+    Hello,
+    Stop,
+    describe_stage,
+    status_board_bytes,
+    status_offset,
+)
+from .segment import create_segment
+from .timing import init_block, read_block
+from .worker import worker_main
+
+STOP_GRACE_SECONDS = 0.5  # how long stopped workers get before they are terminated
+
+
+def hello(status_bytes: int) -> Hello:
+    """The first message to each worker (the protocol version it must speak)."""
+    return Hello(PROTOCOL_VERSION, status_bytes)
+
+
+class Poller:
+    """A poll(2) set built once; `ready(timeout)` lists the fds readable (or hung up)."""
+
+    def __init__(self, fds: list[int]):
+        self._poll = select.poll()
+        for fd in fds:
+            self._poll.register(fd, select.POLLIN)
+
+    def ready(self, timeout: float) -> list[int]:
+        return [fd for fd, _ in self._poll.poll(max(0, math.ceil(timeout * 1000)))]
+
+
+class WorkerPool:
+    """`num_workers` started worker processes; `make_spec(worker_id)` gives each its WorkerSpec.
+
+    `on_death(worker_id)` is called (and must raise) when a send finds a worker gone; the
+    iterator passes its own method, which reads the worker's last words and breaks the epoch.
+    It is held weakly: the pool must not keep its iterator (and the iterator's ring) alive."""
+
+    def __init__(self, num_workers: int, context, make_spec, timed: bool, on_death):
+        self.num_workers = num_workers
+        self.processes: list = []
+        self.channels: list[Channel] = []
+        self.crash_logs: list[CrashLog] = []
+        self.board = None
+        self.closed = False
+        self.final_worker_times: list | None = None
+        self._timed = timed
+        self._on_death = weakref.WeakMethod(on_death)
+        try:
+            self.board = create_segment(status_board_bytes(num_workers), 0, "the workers' status board")
+            for worker_id in range(num_workers):  # what a worker dead before its first word did
+                init_block(self.board, status_offset(worker_id), BOOTING, timed)
+            for worker_id in range(num_workers):
+                self._start(worker_id, context, make_spec(worker_id))
+        except BaseException:
+            self.stop()
+            raise
+        # What every wait polls, built once (the workers are fixed for this pool).
+        self.channel_of = {c.fileno(): (worker_id, c) for worker_id, c in enumerate(self.channels)}
+        self.sentinel_of = {p.sentinel: worker_id for worker_id, p in enumerate(self.processes)}
+
+    def _start(self, worker_id: int, context, spec) -> None:
+        channel, child_sock = Channel.pair()
+        self.channels.append(channel)
+        crash_log = CrashLog()
+        self.crash_logs.append(crash_log)
+        channel.send(hello(self.board.size), (self.board.fd, crash_log.write_fd))
+        crash_log.close_write_end()
+        process = context.Process(target=worker_main, args=(spec, child_sock),
+                                  name=f"shmloader-worker-{worker_id}", daemon=True)
+        try:
+            process.start()
+        finally:
+            child_sock.close()
+        self.processes.append(process)
+
+    # -- messages ----------------------------------------------------------------------------------
+
+    def send(self, worker_id: int, message, fds: tuple[int, ...] = ()) -> None:
+        """Send to a worker; a socket whose other end is gone means the worker is gone, and it is
+        reported as such (`on_death`), never as a BrokenPipeError."""
+        try:
+            self.channels[worker_id].send(message, fds)
+        except (BrokenPipeError, ConnectionResetError):
+            self._report_death(worker_id)
+
+    def _report_death(self, worker_id: int) -> None:
+        on_death = self._on_death()
+        if on_death is not None:
+            on_death(worker_id)
+
+    def receive(self, worker_id: int):
+        """(message, fds) of one waiting message; a closed socket is a dead worker."""
+        try:
+            return self.channels[worker_id].recv()
+        except (ChannelClosed, ConnectionError):
+            self._report_death(worker_id)
+            raise  # on_death raises its own error; this only if it did not
+
+    def last_words(self, worker_id: int):
+        """The messages a dead worker sent before it went, in order."""
+        channel = self.channels[worker_id]
+        poll = Poller([channel.fileno()])
+        while poll.ready(0):
+            try:
+                yield channel.recv()
+            except (ChannelClosed, ConnectionError):
+                return
+
+    def death(self, worker_id: int) -> WorkerDiedError:
+        """The error that reports worker `worker_id`'s death (it is joined first)."""
+        process = self.processes[worker_id]
+        process.join(timeout=1.0)
+        doing = describe_stage(self.board, worker_id)
+        return WorkerDiedError(worker_id, process.pid, process.exitcode, doing,
+                               self.crash_logs[worker_id].read())
+
+    # -- statistics --------------------------------------------------------------------------------
+
+    def worker_times(self) -> list | None:
+        """Each worker's stage clocks (NOTE [ Stage clocks ] in timing.py), live or as read when
+        the pool stopped."""
+        if self.board is None or not self._timed:
+            return self.final_worker_times
+        now = time.monotonic_ns()
+        return [diagnosis.worker_timing(worker_id, read_block(self.board, status_offset(worker_id),
+                                                              process.pid, now))
+                for worker_id, process in enumerate(self.processes)]
+
+    @property
+    def control_bytes(self) -> int:
+        return sum(c.bytes_sent + c.bytes_received for c in self.channels)
+
+    @property
+    def control_messages(self) -> int:
+        return sum(c.messages_sent + c.messages_received for c in self.channels)
+
+    # -- shutdown ----------------------------------------------------------------------------------
+
+    def stop(self) -> None:
+        """See NOTE [ Shutdown ]: idempotent, and never raises for a worker already gone."""
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            self.final_worker_times = self.worker_times()  # while /proc still has them
+        except Exception:
+            pass
+        try:
+            for channel in self.channels:
+                try:
+                    channel.send(Stop())
+                except OSError:
+                    pass
+            deadline = time.monotonic() + STOP_GRACE_SECONDS
+            for process in self.processes:
+                process.join(timeout=max(0.0, deadline - time.monotonic()))
+            for process in self.processes:
+                if process.is_alive():
+                    process.terminate()
+            for process in self.processes:
+                process.join(timeout=2.0)
+                if process.is_alive():
+                    process.kill()
+                    process.join()
+        finally:
+            for channel in self.channels:
+                channel.close()
+            for crash_log in self.crash_logs:
+                crash_log.close()
+            for process in self.processes:
+                try:
+                    process.close()
+                except ValueError:
+                    pass
+            if self.board is not None:
+                self.board.close_fd()
+                self.board = None  # unmapped now, not when the (maybe still referenced) iterator goes

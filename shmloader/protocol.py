@@ -1,0 +1,190 @@
+"""Every message between the main process and a worker, and the status board they share.
+
+The control socket (channel.py) carries only these messages, a few integers each; batch bytes
+never cross it.  Each message is a typed, named tuple; on the wire it is `(tag, *fields)`, the
+tag being its index in MESSAGES, so a message costs what a bare tuple costs to pickle.  The
+first message a worker gets is `Hello`, which carries PROTOCOL_VERSION: a worker of another
+version (a spawned interpreter that imports another shmloader) refuses to start, naming both.
+
+    main ─▶ worker                               worker ─▶ main
+    Hello(version, status bytes) + 2 fds         Ready(epoch, idx, slot, generation, capacity,
+    Task(epoch, idx, indices)                          in-place bytes) [+ fd of a new segment]
+    Grant(slot, generation, capacity, hint)      Failed(epoch, idx, stage, exception payload)
+          [+ fd the first time it sees it]       End(epoch, idx)           an iterable ran out
+    Forget(slot, generation)                     State(epoch, idx, dataset state)
+    Resume(epoch)                                Resumed(epoch)
+    Stop()                                       Fatal(stage, exception payload)
+
+NOTE [ Status board ]
+  One shared segment, made by the main process and mapped by every worker (its fd comes with
+  `Hello`): the segment header (csrc/ring.h), then one STATUS_BLOCK_BYTES block per worker at
+  `status_offset(worker_id)`.  A block opens with the worker's status word, (stage, batch):
+  the index into STAGES of what it is doing and for which batch; a worker killed by a signal
+  cannot say what it was doing, so a death report reads it here (`describe_stage`).  The rest of
+  the block is the worker's stage clocks (NOTE [ Stage clocks ] in timing.py).
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import Any, NamedTuple
+
+from . import _ring
+from .errors import SlotProtocolError
+from .timing import MAX_STAGES, STATUS_BLOCK_BYTES
+
+PROTOCOL_VERSION = 2  # 1: the positional tuples of shmloader <= 0.x; 2: typed messages
+
+
+# -- main process -> worker ----------------------------------------------------------------------
+
+class Hello(NamedTuple):
+    """The first message: the protocol version and the status board's size (fds: the board and
+    the write end of the worker's crash log)."""
+    version: int
+    status_bytes: int
+
+
+class Task(NamedTuple):
+    """Fetch and collate batch `idx` of `epoch` from `indices` (None for an iterable dataset)."""
+    epoch: int
+    idx: int
+    indices: Any
+
+
+class Grant(NamedTuple):
+    """Slot `slot` is this worker's to write one batch into (NOTE [ Slot grants ] in
+    scheduler.py); capacity 0: no segment yet, make one (`hint`: the ring's learnt size)."""
+    slot: int
+    generation: int
+    capacity: int
+    hint: int
+
+
+class Forget(NamedTuple):
+    """Unmap this generation of `slot`: it was detached or replaced (NOTE [ Held batches ])."""
+    slot: int
+    generation: int
+
+
+class Resume(NamedTuple):
+    """A persistent worker starts epoch `epoch`: a fresh dataset iterator."""
+    epoch: int
+
+
+class Stop(NamedTuple):
+    """Exit now (NOTE [ Shutdown ] in pool.py)."""
+
+
+# -- worker -> main process ----------------------------------------------------------------------
+
+class Ready(NamedTuple):
+    """Batch `idx` is published in `slot` (fd: a segment this worker made for it, generation
+    and capacity as given); `in_place` bytes were collated in the slot, not copied."""
+    epoch: int
+    idx: int
+    slot: int
+    generation: int
+    capacity: int
+    in_place: int
+
+
+class Failed(NamedTuple):
+    """Batch `idx` raised in `stage`; re-raised in the main process at the batch's turn."""
+    epoch: int
+    idx: int
+    stage: str
+    payload: tuple
+
+
+class End(NamedTuple):
+    """This worker's share of an iterable dataset ran out at task `idx`."""
+    epoch: int
+    idx: int
+
+
+class State(NamedTuple):
+    """The worker's dataset state after task `idx` (-1: at the epoch's start); NOTE [ Resuming
+    mid-epoch ] in state.py."""
+    epoch: int
+    idx: int
+    taken: Any
+
+
+class Resumed(NamedTuple):
+    """Every result of earlier epochs has been sent: epoch `epoch` has begun."""
+    epoch: int
+
+
+class Fatal(NamedTuple):
+    """An error outside any task (start-up, protocol): the worker exits after it."""
+    stage: str
+    payload: tuple
+
+
+MESSAGES: tuple[type, ...] = (Hello, Task, Grant, Forget, Resume, Stop,
+                              Ready, Failed, End, State, Resumed, Fatal)
+_TAG = {kind: tag for tag, kind in enumerate(MESSAGES)}
+
+
+def encode(message: NamedTuple) -> tuple:
+    """The wire form of a message: (tag, *fields)."""
+    return (_TAG[type(message)], *message)
+
+
+def decode(wire: tuple) -> NamedTuple:
+    """The message a wire tuple stands for; anything else is a SlotProtocolError."""
+    try:
+        kind = MESSAGES[wire[0]]
+        return kind._make(wire[1:])
+    except (IndexError, TypeError) as exc:
+        raise SlotProtocolError(f"malformed control message {wire!r:.200}: {exc}") from None
+
+
+def check_version(hello: Any, worker_id: int) -> None:
+    """A worker's first message must be a Hello of this very protocol."""
+    if not isinstance(hello, Hello):
+        raise SlotProtocolError(
+            f"worker {worker_id} expected Hello (its status board and crash log) first, got {hello!r:.200}")
+    if hello.version != PROTOCOL_VERSION:
+        raise SlotProtocolError(
+            f"worker {worker_id} speaks shmloader protocol {PROTOCOL_VERSION}, the main process "
+            f"{hello.version}: the worker imports another shmloader than the main process "
+            "(check sys.path / the installed version under spawn or forkserver)")
+
+
+# -- the status board (NOTE [ Status board ]) ----------------------------------------------------
+
+STAGES = (
+    "starting up (importing modules and unpickling its arguments, before shmloader's code ran)",
+    "idle (waiting for a task)",
+    "unpickling the dataset, collate_fn and worker_init_fn",
+    "running worker_init_fn",
+    "starting the dataset (creating its iterator)",
+    "waiting for a slot to write into",
+    "fetching samples (dataset __getitem__ / __iter__)",
+    "collating the batch (collate_fn)",
+    "laying out the batch",
+    "writing the batch into its slot",
+)
+(BOOTING, IDLE, UNPICKLING, INIT_FN, STARTING, AWAITING_SLOT, FETCHING, COLLATING, LAYING_OUT,
+ WRITING) = range(len(STAGES))
+assert len(STAGES) <= MAX_STAGES
+
+STATUS_WORD = struct.Struct("<qq")  # (stage, batch): the first two words of a worker's block
+
+
+def status_offset(worker_id: int) -> int:
+    """Where worker `worker_id`'s block starts in the status board."""
+    return _ring.HEADER_BYTES + worker_id * STATUS_BLOCK_BYTES
+
+
+def status_board_bytes(num_workers: int) -> int:
+    return status_offset(num_workers)
+
+
+def describe_stage(board, worker_id: int) -> str:
+    """'fetching samples (...) for batch 7': what a worker last recorded on the board."""
+    stage, idx = STATUS_WORD.unpack(board.read(status_offset(worker_id), STATUS_WORD.size))
+    name = STAGES[stage] if 0 <= stage < len(STAGES) else f"stage {stage}"
+    return name if idx < 0 else f"{name} for batch {idx}"

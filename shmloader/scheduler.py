@@ -1,0 +1,174 @@
+"""Slot scheduling: which free slot of the ring each worker gets to write its next batch into.
+
+The iterator (loader.py) says which tasks it sent to which worker (`task_sent`) and hands over
+each result (`ready`); this module keeps the ring (ring.py), the grants and the page-locking of
+slots (cuda.py), and sends Grant / Forget messages through the pool.  It knows nothing of
+torch's order, epochs or samplers beyond the (epoch, idx) key of a task.
+
+NOTE [ Slot grants ]
+  Tasks carry no slot.  Each worker holds up to GRANTS_PER_WORKER free slots granted by the main
+  process (Grant messages, with the segment's fd the first time that worker sees it) and writes
+  each finished batch into one of them; the Ready message hands the slot back, and the main
+  process grants another.  So a slot is bound only to a batch that exists: the ring's depth
+  (NOTE [ Ring size ] in ring.py) is a cap, and the slots actually created are about the granted
+  ones plus the batches waiting to be consumed, far fewer than num_workers × prefetch_factor when
+  the training loop keeps up.  A worker that has a batch and no grant waits for one on its
+  socket.  When no slot is free because the training loop holds batches, the ring detaches the
+  longest-held one (NOTE [ Held batches ] in ring.py) and the workers that mapped it are told to
+  forget it (Forget messages), as they are for a slot's pre-growth segment.  Only under a cap
+  the user set can a worker wait for good: then RingFullError.
+
+  Grants go in the order the tasks were sent, up to GRANTS_PER_WORKER ahead per worker.  A
+  worker writes its tasks in order, so its k-th grant serves its k-th owed task; granting in
+  send order keeps the granted tasks a prefix of the owed ones.  When slots are scarce (a cap the
+  user set) the earliest batch is the one that gets the slot, never a later one that would only
+  wait in the reorder buffer: no priority inversion, no deadlock.  Granted plus
+  received-but-not-yielded slots stay within num_workers × prefetch_factor, as torch's in-flight
+  batches do; held batches are detached from the ring.
+"""
+
+from __future__ import annotations
+
+from . import layout
+from .protocol import Forget, Grant, Ready
+from .ring import CONSUMER_SLOTS, Ring
+
+GRANTS_PER_WORKER = 2  # the slot being written + one to go on with
+
+
+class SlotScheduler:
+    """The ring of one iterator and the grants of its `num_workers` workers.
+
+    `send(worker_id, message, fds)` delivers a message: the pool's send, set once the workers
+    are started `pinner` page-locks slots for pin_memory (cuda.SlotPinner) or is None."""
+
+    def __init__(self, num_workers: int, prefetch_factor: int, send=None, *, slot_bytes=None,
+                 max_slots=None, max_bytes=None, pinner=None):
+        self.ring = Ring(prefetch_factor * num_workers + CONSUMER_SLOTS, slot_bytes, max_slots, max_bytes)
+        self.send = send
+        self._pinner = pinner
+        self._release = self.ring.release_callback()
+        if pinner is not None:
+            self._release = pinner.fence_releases(self._release)  # NOTE [ Release fence ] in cuda.py
+        self._known_generation: list[dict[int, int]] = [{} for _ in range(num_workers)]
+        self._grants: list[set[int]] = [set() for _ in range(num_workers)]
+        self._quota = min(GRANTS_PER_WORKER, prefetch_factor)
+        self._owed: dict[tuple[int, int], int] = {}  # (epoch, idx) -> worker, in send order
+        self.in_place_bytes = 0  # array bytes workers did not copy (NOTE in worker.py)
+
+    # -- what the iterator tells it --------------------------------------------------------------
+
+    def task_sent(self, epoch: int, idx: int, worker_id: int) -> None:
+        """A task went to `worker_id`: it will need a slot."""
+        self._owed[(epoch, idx)] = worker_id
+        self.grant_in_order()
+
+    def result_in(self, epoch: int, idx: int) -> None:
+        """The task's result (a batch, an error, an iterable's end) came back."""
+        self._owed.pop((epoch, idx), None)
+
+    def ready(self, worker_id: int, message: Ready, fds: list[int], deliver: bool):
+        """Take back the slot of a Ready message (adopting a segment the worker made for it) and
+        return the batch read from it, or None where `deliver` is False (a stale epoch's)."""
+        ring = self.ring
+        slot = message.slot
+        self.result_in(message.epoch, message.idx)
+        self.in_place_bytes += message.in_place
+        self._grants[worker_id].discard(slot)
+        if fds:
+            ring.adopt(slot, fds[0], message.capacity, message.generation)
+            self._known_generation[worker_id][slot] = message.generation
+            self._forget_retired()  # other workers' mappings of the pre-growth segment
+            if self._pinner is not None:
+                self._pinner.pin(ring.segment(slot))  # once per slot segment
+        if not deliver:
+            ring.unassign(slot)
+            return None
+        lease, descriptor, payload_end = ring.lease(slot, message.idx, self._release)
+        return layout.read_batch(lease, descriptor, payload_end)
+
+    # -- granting ------------------------------------------------------------------------------------
+
+    def grant_in_order(self) -> None:
+        """Grant free slots for the tasks whose results are owed (NOTE [ Slot grants ])."""
+        owed = [0] * len(self._grants)
+        waiting_for_spares = 0
+        ring = self.ring
+        for worker_id in self._owed.values():
+            owed[worker_id] += 1
+            if owed[worker_id] > self._quota or len(self._grants[worker_id]) >= owed[worker_id]:
+                continue
+            ahead = owed[worker_id] > 1  # a grant to go on with: never worth a new segment
+            if ahead:
+                if not ring.has_free_created_slot():
+                    continue
+            elif not self._slot_available():
+                break
+            elif ring.should_wait_for_spare():  # NOTE [ Spare segments ] in spares.py
+                waiting_for_spares += 1
+                continue
+            self._grant(worker_id, created_only=ahead)
+        ring.want_spares(waiting_for_spares)
+        self._forget_retired()
+
+    def _grant(self, worker_id: int, created_only: bool = False) -> None:
+        ring = self.ring
+        known = self._known_generation[worker_id]
+        slot = ring.take_free_slot(prefer=known, created_only=created_only)
+        generation, capacity, hint = ring.task_geometry(slot)
+        if capacity and self._pinner is not None:
+            self._pinner.pin(ring.segment(slot))  # a segment made ahead (spares.py): once each
+        fds: tuple[int, ...] = ()
+        if capacity and known.get(slot) != generation:
+            fds = (ring.fd(slot),)
+            known[slot] = generation
+        self.send(worker_id, Grant(slot, generation, capacity, hint), fds)
+        self._grants[worker_id].add(slot)
+
+    def _forget_retired(self) -> None:
+        """Tell the workers that still map a detached or pre-growth segment to unmap it, so that
+        its memory goes when the main process's last view does (and stats() tells the truth)."""
+        for slot, generation in self.ring.take_retired():
+            for worker_id, known in enumerate(self._known_generation):
+                if known.get(slot) == generation:
+                    del known[slot]
+                    self.send(worker_id, Forget(slot, generation))
+
+    def _slot_available(self) -> bool:
+        """Whether a slot can be granted now: a free one, one whose copy fence completes (waiting
+        for it beats a new segment), or a held one to detach within the user's cap."""
+        ring = self.ring
+        ring.collect_released()
+        if ring.has_free_slot():
+            return True
+        if self._pinner is not None and self._pinner.pending():
+            self._pinner.pump(wait=True)  # NOTE [ Release fence ] in cuda.py
+            ring.collect_released()
+        return ring.can_take()
+
+    def replenish(self) -> None:
+        """Take back released slots and grant them to workers that have work."""
+        if self._pinner is not None:
+            self._pinner.pump()  # NOTE [ Release fence ] in cuda.py
+        self.ring.collect_released()
+        self.ring.drain_spare_wakeups()
+        self.grant_in_order()
+
+    def check_not_starved(self) -> None:
+        """Raise RingFullError if no worker with work can ever get a slot: every one that owes a
+        result has no grant, and the ring can neither free nor detach one (a user's cap)."""
+        owing = set(self._owed.values())
+        if not owing or any(self._grants[w] for w in owing):
+            return
+        if self._pinner is not None:
+            self._pinner.pump(wait=True)  # slots waiting for their copies' fence come back
+        self.ring.make_room()  # collects garbage once, raises if still full
+        self.grant_in_order()
+
+    @property
+    def wakeup_fd(self) -> int:
+        """Readable when a spare segment is ready to be granted (NOTE [ Spare segments ])."""
+        return self.ring.spare_wakeup_fd
+
+    def close(self) -> None:
+        self.ring.close()

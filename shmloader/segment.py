@@ -1,0 +1,78 @@
+"""The segment primitive both sides use: one nameless, reserved, mapped shared-memory segment.
+
+The main process (ring.py, spares.py) and the workers (worker.py: a slot that must grow, a batch
+moved away from a kept arena) both create segments; this module is all they share.  Which slot
+a segment serves, when it is made and when it goes is the ring's policy, not this module's.
+
+NOTE [ Segments ]
+  A segment's name exists only for the instant between shm_open and shm_unlink inside
+  `create_segment`: processes share it by passing the fd over their control socket
+  (SCM_RIGHTS), so no crash of any process can leave an entry behind in /dev/shm.  Its pages
+  are reserved with posix_fallocate when it is created, so a /dev/shm that is too small is a
+  ShmCapacityError then, never a SIGBUS in a worker later.  Its header (csrc/ring.h) carries a
+  magic number, the ABI version, its capacity and its generation, which each side checks.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import secrets
+
+import posix_ipc
+
+from . import _ring
+from .errors import ShmCapacityError
+
+SHM_DIR = "/dev/shm"
+PAGE = os.sysconf("SC_PAGE_SIZE")
+MIN_HEADROOM = 64 * 1024
+
+
+def page_round(nbytes: int) -> int:
+    return (nbytes + PAGE - 1) // PAGE * PAGE
+
+
+def shm_free_bytes(path: str | None = None) -> int:
+    st = os.statvfs(path if path is not None else SHM_DIR)  # SHM_DIR read now: tests patch it
+    return st.f_bavail * st.f_frsize
+
+
+def slot_capacity(needed: int, current: int, learnt: int) -> int:
+    """Capacity of a new segment for a slot that must hold `needed` bytes.
+
+    A slot created for the first time takes the ring's learnt size (`learnt`, 0 before the first
+    batch) or, when the batch is larger or nothing is learnt yet, exactly what it needs, page
+    rounded: equal batches then waste nothing.  A slot that must grow gets 1/8 headroom (at least
+    64 KiB) and at least 1.5 × its current size, so that variable-size batches grow it rarely."""
+    if current == 0:
+        return learnt if needed <= learnt else page_round(needed)
+    return page_round(max(needed + max(needed // 8, MIN_HEADROOM), current + current // 2))
+
+
+def create_segment(capacity: int, generation: int, what: str = "a ring slot",
+                   populate: bool = True) -> _ring.Segment:
+    """A new, reserved, mapped and already-unlinked slot segment of `capacity` bytes; mapped
+    without `populate` by a process that will touch little of it (the main process)."""
+    capacity = page_round(max(capacity, _ring.HEADER_BYTES))
+    free = shm_free_bytes()
+    if capacity > free:  # fail before posix_fallocate briefly fills /dev/shm for everyone else
+        raise ShmCapacityError(capacity, free, SHM_DIR, what)
+    name = "/shmloader-" + secrets.token_hex(16)
+    mem = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=0o600)
+    try:
+        fd = os.dup(mem.fd)
+    finally:
+        mem.close_fd()
+        mem.unlink()
+    try:
+        os.ftruncate(fd, capacity)
+        _ring.reserve(fd, capacity)
+        segment = _ring.Segment(fd, capacity, populate=populate)
+    except OSError as exc:
+        os.close(fd)
+        if exc.errno in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG):
+            raise ShmCapacityError(capacity, free, SHM_DIR, what) from exc
+        raise
+    segment.init_header(generation)
+    return segment

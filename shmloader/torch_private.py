@@ -1,0 +1,59 @@
+"""torch's private DataLoader internals that shmloader needs, reached only through this module.
+
+shmloader behaves as torch's DataLoader does by running torch's own code: its iterator base
+class (sampler order, seeds, `len()`, epochs), its fetchers, its collate machinery and its
+worker info.  Those live in private modules (`torch.utils.data._utils`, `dataloader._*`) that a
+torch release may move; every use goes through the names below, so an upgrade touches this file.
+tests/test_torch_private.py checks that each name still exists with the shape shmloader uses.
+
+Attributes of torch's iterator base class that shmloader's iterator reads (set by torch's
+`_BaseDataLoaderIter.__init__`/`_reset`): _dataset, _dataset_kind, _index_sampler, _num_workers,
+_auto_collation, _collate_fn, _drop_last, _pin_memory, _pin_memory_device, _timeout,
+_persistent_workers, _prefetch_factor, _base_seed, _sampler_iter, _num_yielded, _next_index.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.utils.data._utils import collate as _collate
+from torch.utils.data._utils import worker as _worker
+from torch.utils.data.dataloader import (
+    _BaseDataLoaderIter,
+    _DatasetKind,
+    _InfiniteConstantSampler,
+    _SingleProcessDataLoaderIter,
+)
+
+BaseDataLoaderIter = _BaseDataLoaderIter  # the iterator shmloader's derives from
+SingleProcessDataLoaderIter = _SingleProcessDataLoaderIter  # num_workers=0
+DatasetKind = _DatasetKind  # Map / Iterable, and create_fetcher
+InfiniteConstantSampler = _InfiniteConstantSampler  # the index sampler of an iterable dataset
+
+# The collate machinery: torch's `collate` with a handler map, as default_collate runs it.
+collate = _collate.collate
+default_collate_fn_map = _collate.default_collate_fn_map  # type -> handler; workers patch Tensor's
+np_str_obj_array_pattern = _collate.np_str_obj_array_pattern  # numpy dtypes torch refuses
+default_collate_err_msg_format = _collate.default_collate_err_msg_format
+
+
+def create_fetcher(dataset_kind, dataset, auto_collation: bool, collate_fn, drop_last: bool):
+    """torch's fetcher for a map-style or iterable dataset (it samples, and ends iterables)."""
+    return _DatasetKind.create_fetcher(dataset_kind, dataset, auto_collation, collate_fn, drop_last)
+
+
+def set_worker_info(worker_id: int, num_workers: int, seed: int, dataset) -> None:
+    """What `torch.utils.data.get_worker_info()` returns inside this worker."""
+    _worker._worker_info = _worker.WorkerInfo(id=worker_id, num_workers=num_workers, seed=seed,
+                                              dataset=dataset)
+
+
+def numpy_worker_seed(base_seed: int, worker_id: int):
+    """The seed torch's workers give numpy's global RNG."""
+    return _worker._generate_state(base_seed, worker_id)
+
+
+def validate_loaded_sparse_tensors() -> None:
+    """torch's unpickling of a sparse tensor parks it in a module-level list until validated
+    (torch.load does it); left there it would hold a slot's lease forever."""
+    if torch._utils._sparse_tensors_to_validate:
+        torch._utils._validate_loaded_sparse_tensors()
