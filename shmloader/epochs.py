@@ -1,0 +1,190 @@
+"""Cross-epoch prefetch: forecast the first items of the next epoch's index sampler, so that
+persistent workers can be kept busy across an epoch's end instead of draining.
+
+torch's DataLoader with `persistent_workers=True` lets its pipeline run dry at every epoch end:
+the next epoch's first tasks are sent only when the loop calls iter(loader) again. This module
+tells the loader what those tasks will be, without touching the real sampler or any global RNG,
+and checks the guess against what the sampler really yields.
+
+NOTE [ Cross-epoch prefetch ]
+  When the main process has drawn the last index of epoch e (its sampler iterator has raised
+  StopIteration), `forecast(index_sampler, K)` returns the first K items (K = prefetch_factor x
+  num_workers) that a fresh `iter(index_sampler)` would yield if it were made now. It draws them
+  from a deep copy of the index sampler (the batch sampler with automatic batching, else the
+  sampler), with the dataset passed in `memo` so the copy shares it instead of copying (a
+  sampler's data_source may be huge, or not copyable at all). The states of torch's global CPU
+  RNG, Python's `random` and numpy's global RNG are saved before the draw and put back after it,
+  so that nothing the rest of the process sees changes: a copy's generators are its own, and a
+  draw from a global RNG (RandomSampler without a generator draws its seed from torch's) is undone.
+  A sampler that cannot be copied, one that raises while drawing, or one without a length (an
+  infinite sampler such as torch's `_InfiniteConstantSampler` for iterable datasets) gets no
+  forecast (None).
+
+  The loader sends the forecast items to the workers as epoch e+1's first tasks. When the loop
+  calls iter(loader), the loader draws the real items as torch does, and for each position checks
+  `matches(forecast item, real item)`: a prefetched batch is kept only where they are equal, and
+  is otherwise dropped and the real item sent. So correctness never depends on the forecast; only
+  the time saved does. It is right in the common cases:
+
+  * a sampler whose randomness is its own (a `generator` argument, DistributedSampler's seed and
+    epoch, a custom sampler's own `random.Random`): the copy continues from the same state;
+  * RandomSampler (and the others) without a generator draw from torch's global RNG at their
+    first item: the forecast is right if nothing else draws from that RNG between the forecast
+    and the next epoch's first item. Anything that does (CPU dropout in the batches the loop
+    still has to take after the last index was drawn, torch.rand in the loop, ...) makes the
+    forecast differ, and nothing is kept;
+  * DistributedSampler (or any sampler with `set_epoch()` and an int `epoch`, also the batch
+    sampler's `.sampler`): the forecast assumes the user calls `set_epoch(epoch + 1)` before the
+    next epoch, as is usual, and sets that on the copy only. A user who does not call it gets a
+    forecast that does not match (or, with shuffle=False, one that matches because the order does
+    not depend on the epoch), and nothing is prefetched wrongly.
+
+  Make the forecast after the epoch's sampler iterator has raised StopIteration, not just after
+  its last item: a sampler may still draw on its way to StopIteration (RandomSampler with a
+  generator draws one more randperm/randint after its last item), and a forecast made before
+  that draw does not match. Make it from the thread that draws the sampler's indices: the global
+  RNG states are put back when the draw is done, so a draw another thread made meanwhile would be
+  undone. CUDA RNG states are not saved (samplers draw on the CPU).
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import numbers
+import operator
+import random
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data.distributed import DistributedSampler
+
+_CHAIN_DEPTH = 4  # how far `.sampler` / `.batch_sampler` are followed to find epoch holders
+
+
+@dataclass(frozen=True)
+class Forecast:
+    """A forecast of an epoch's first items: made for loader epoch `epoch`, `items` as the
+    sampler's copy yielded them (fewer than asked where the epoch is shorter)."""
+
+    epoch: int
+    items: list = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def agrees(self, position: int, real_item: Any) -> bool:
+        """Whether the item at `position` is the real one, i.e. its prefetched batch may be kept
+        (False past the forecast's end)."""
+        return 0 <= position < len(self.items) and matches(self.items[position], real_item)
+
+
+def make(index_sampler: Any, count: int, epoch: int, *, dataset: Any = None) -> Forecast | None:
+    """`forecast()` wrapped as a `Forecast` for loader epoch `epoch` (None: no forecast)."""
+    items = forecast(index_sampler, count, dataset=dataset)
+    return None if items is None else Forecast(epoch, items)
+
+
+def forecast(index_sampler: Any, count: int, *, dataset: Any = None) -> list | None:
+    """The first `count` items a fresh iter(index_sampler) would yield if made now (the whole
+    epoch where it is shorter), drawn from a copy (NOTE [ Cross-epoch prefetch ]); None where
+    the sampler has no length, or copying it or drawing from the copy raises.
+
+    `dataset` is shared with the copy rather than copied. Neither `index_sampler` nor any global
+    RNG is changed; epoch holders (DistributedSampler) of the copy are moved to their next epoch.
+    """
+    if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+        raise ValueError(f"forecast: count must be an int >= 0, got {count!r}")
+    if not _sized(index_sampler):
+        return None
+    if count == 0:
+        return []
+    saved = _save_rngs()
+    try:
+        twin = copy.deepcopy(index_sampler, {} if dataset is None else {id(dataset): dataset})
+        holders = _epoch_holders(twin)
+        for holder, epoch in holders:  # outermost first, each to its own epoch + 1
+            holder.set_epoch(epoch + 1)
+        return list(itertools.islice(iter(twin), count))
+    except Exception:
+        return None
+    finally:
+        _restore_rngs(saved)
+
+
+def matches(forecast_item: Any, real_item: Any) -> bool:
+    """Whether a forecast item is the real one: the same value and the same kinds of values (ints,
+    numpy ints, lists, tuples, tensors and arrays of indices). False for anything that cannot be
+    compared; never raises.
+
+    Kinds count, not just values: the prefetched batch was fetched with the forecast item, so it
+    stands for the real item only if the dataset would have been given the same thing (a tuple
+    where a list was expected, or a numpy int where an int was, may be fetched differently). The
+    copy yields what the real sampler yields, so this costs nothing in the common cases.
+    """
+    try:
+        return _same(forecast_item, real_item)
+    except Exception:
+        return False
+
+
+def _same(a: Any, b: Any) -> bool:
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, torch.Tensor):
+        return (a.dtype == b.dtype and a.shape == b.shape and a.device == b.device
+                and bool(torch.equal(a, b)))
+    if isinstance(a, np.ndarray):
+        return a.dtype == b.dtype and a.shape == b.shape and bool(np.array_equal(a, b))
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, numbers.Integral) or hasattr(a, "__index__"):
+        return operator.index(a) == operator.index(b)
+    result = a == b
+    return result if isinstance(result, bool) else False
+
+
+def _sized(sampler: Any) -> bool:
+    """Whether len(sampler) works (an infinite or unsized sampler has no forecast)."""
+    if not hasattr(sampler, "__len__"):
+        return False
+    try:
+        len(sampler)
+    except Exception:
+        return False
+    return True
+
+
+def _epoch_holders(sampler: Any) -> list[tuple[Any, int]]:
+    """The samplers along `.sampler` / `.batch_sampler` (outermost first) that follow an epoch
+    the user sets: DistributedSampler, or anything with set_epoch() and an int `epoch`; each with
+    its epoch as of now (taken before any is set, as one may pass it on to those it wraps)."""
+    found: list[tuple[Any, int]] = []
+    seen: set[int] = set()
+    level = [sampler]
+    for _ in range(_CHAIN_DEPTH):
+        following = []
+        for obj in level:
+            if obj is None or id(obj) in seen:
+                continue
+            seen.add(id(obj))
+            epoch = getattr(obj, "epoch", None)
+            settable = isinstance(obj, DistributedSampler) or callable(getattr(obj, "set_epoch", None))
+            if settable and isinstance(epoch, int) and not isinstance(epoch, bool):
+                found.append((obj, epoch))
+            following += [getattr(obj, "sampler", None), getattr(obj, "batch_sampler", None)]
+        level = following
+    return found
+
+
+def _save_rngs() -> tuple:
+    return torch.get_rng_state(), random.getstate(), np.random.get_state()
+
+
+def _restore_rngs(saved: tuple) -> None:
+    torch_state, python_state, numpy_state = saved
+    torch.set_rng_state(torch_state)
+    random.setstate(python_state)
+    np.random.set_state(numpy_state)
