@@ -43,7 +43,7 @@ from typing import TypeVar
 import torch
 from torch.utils.data import DataLoader, default_collate, default_convert
 
-from . import diagnosis, state, torch_private
+from . import diagnosis, epochs, state, torch_private
 from .errors import (
     LoaderBrokenError,
     LoaderTimeoutError,
@@ -52,7 +52,7 @@ from .errors import (
     WorkerError,
 )
 from .pool import Poller, WorkerPool
-from .protocol import End, Failed, Fatal, Ready, Resume, Resumed, State, Task
+from .protocol import End, Failed, Fatal, Ready, Resume, Resumed, Rewind, State, Task
 from .ring import Ring, RingStats
 from .scheduler import SlotScheduler
 from .timing import BatchClock, timing_enabled
@@ -76,7 +76,9 @@ class LoaderStats:
     far; slot_grows: slots replaced by a larger segment so far; made_ahead: slot segments made
     ahead of need, off the workers' path (NOTE [ Spare segments ] in spares.py); in_place_bytes: array bytes that a
     numpy collate_fn built in their slot, so that no copy was made (NOTE [ One copy for a numpy
-    collate_fn ] in worker.py); timing: where the time goes and the verdict (diagnosis.py;
+    collate_fn ] in worker.py); prefetched_next_epoch / forecast_misses: batches fetched across
+    an epoch's end and kept, and epochs whose forecast was wrong (NOTE [ Cross-epoch prefetch ]
+    in epochs.py); timing: where the time goes and the verdict (diagnosis.py;
     None with SHMLOADER_TIMING=0).  print() it for a table, as_dict() for logging."""
 
     ring_slots: int
@@ -94,6 +96,8 @@ class LoaderStats:
     control_bytes: int
     control_messages: int
     timing: diagnosis.LoaderTiming | None = None
+    prefetched_next_epoch: int = 0  # batches fetched before their epoch began, and kept
+    forecast_misses: int = 0  # next epochs whose forecast the sampler did not bear out
 
     @property
     def control_bytes_per_batch(self) -> float:
@@ -123,6 +127,10 @@ class ShmDataLoader(DataLoader[_T_co]):
         ring's and those of batches the training loop holds), only if you want one; past it,
         RingFullError.  By default held batches take what they need, as with torch
         (NOTE [ Held batches ] in ring.py).
+    prefetch_next_epoch: with persistent_workers, start the next epoch's first batches while the
+        loop takes this epoch's last ones, and keep each only if the sampler really yields its
+        indices (NOTE [ Cross-epoch prefetch ] in epochs.py).  On by default; False drains at
+        each epoch's end, as torch does.
     """
 
     def __init__(self, dataset, batch_size=1, shuffle=None, sampler=None, batch_sampler=None,
@@ -130,7 +138,7 @@ class ShmDataLoader(DataLoader[_T_co]):
                  worker_init_fn=None, multiprocessing_context=None, generator=None, *,
                  prefetch_factor=None, persistent_workers=False, pin_memory_device="",
                  in_order=True, slot_bytes: int | None = None, max_ring_slots: int | None = None,
-                 max_ring_bytes: int | None = None):
+                 max_ring_bytes: int | None = None, prefetch_next_epoch: bool = True):
         for name, value, least in (("slot_bytes", slot_bytes, 1), ("max_ring_slots", max_ring_slots, 1),
                                    ("max_ring_bytes", max_ring_bytes, 1)):
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < least):
@@ -147,6 +155,7 @@ class ShmDataLoader(DataLoader[_T_co]):
         self.slot_bytes = slot_bytes
         self.max_ring_slots = max_ring_slots
         self.max_ring_bytes = max_ring_bytes
+        self.prefetch_next_epoch = bool(prefetch_next_epoch)
         self._last_iterator: weakref.ref | None = None
         self._final_stats: LoaderStats | None = None
         self._timing = timing_enabled()  # NOTE [ Stage clocks ] in timing.py
@@ -243,6 +252,20 @@ class _ShmLoaderIter(torch_private.BaseDataLoaderIter):
         self._loader_ref = weakref.ref(loader)
         self._events: collections.deque = collections.deque()  # results read ahead of their wait
         self._task_info: dict[int, tuple] = {}
+        # NOTE [ Cross-epoch prefetch ] in epochs.py
+        self._ahead_on = (self._persistent_workers and getattr(loader, "prefetch_next_epoch", True)
+                          and self._dataset_kind == torch_private.DatasetKind.Map
+                          and not state.is_stateful(self._dataset))
+        self._ahead: epochs.Forecast | None = None  # the next epoch's, while this one ends
+        self._ahead_sent = 0  # of its items sent as tasks (tagged -(epoch))
+        self._ahead_tried = False  # this epoch's forecast was made (or could not be)
+        self._early: dict[int, tuple] = {}  # the next epoch's results, in before it began
+        self._adopting: epochs.Forecast | None = None  # the forecast the prime checks, item by item
+        self._adopted: set[int] = set()  # this epoch's batches that were prefetched and kept
+        self._resume_sent = 0  # the epoch the workers were last told to Resume
+        self._resumed: collections.Counter = collections.Counter()  # Resumed messages per epoch
+        self._prefetched_next_epoch = 0
+        self._forecast_misses = 0
         pinner = None
         if self._pin_memory:  # torch's base class set this only where an accelerator exists
             from .cuda import SlotPinner
@@ -310,18 +333,43 @@ class _ShmLoaderIter(torch_private.BaseDataLoaderIter):
         self._workers_status = [True] * self._num_workers
         self._workers_num_tasks = [0] * self._num_workers
         self._worker_queue_idx_cycle = itertools.cycle(range(self._num_workers))
+        self._adopted = set()
         if not first_iter:
             self._events.clear()  # read ahead in the last epoch, never delivered: free their slots
             self._epoch += 1
-            for worker_id in range(self._num_workers):
-                self._send(worker_id, Resume(self._epoch))
-            self._resumed = 0
+            self._send_resume(self._epoch)
             # Stale results of the last epoch arrive before each worker's Resumed and free
             # their slots here.
-            self._wait_for_event(until=lambda: self._resumed >= self._num_workers)
+            self._wait_for_event(until=lambda: self._resumed[self._epoch] >= self._num_workers)
+        ahead, self._ahead, self._ahead_tried = self._ahead, None, False
+        self._adopting = ahead if ahead is not None and ahead.epoch == self._epoch else None
         self._resumable.before_prime(self, loader, first_iter)  # resume a loaded state
         for _ in range(self._prefetch_factor * self._num_workers):
             self._try_put_index()
+        self._take_prefetched(ahead)
+
+    def _send_resume(self, epoch: int) -> None:
+        """Tell every worker that `epoch` begins (once: maybe before the loop gets to it)."""
+        if self._resume_sent != epoch:
+            self._resume_sent = epoch
+            for worker_id in range(self._num_workers):
+                self._send(worker_id, Resume(epoch))
+
+    def _take_prefetched(self, ahead) -> None:
+        """After the prime: the results of the kept prefetched batches join this epoch's; those
+        the sampler did not bear out are dropped (their slots go back as their leases die), and
+        their tasks' late results are dropped as a stale epoch's."""
+        self._adopting = None
+        early, self._early = self._early, {}
+        if ahead is not None and len(self._adopted) < self._ahead_sent:
+            self._forecast_misses += 1
+        self._ahead_sent = 0
+        for idx in sorted(self._adopted):
+            if idx in early:
+                worker_id, data = early.pop(idx)
+                self._events.append((idx, worker_id, data))
+        self._prefetched_next_epoch += len(self._adopted)
+        early.clear()
 
     # -- dispatch ----------------------------------------------------------------------------------
 
@@ -336,6 +384,7 @@ class _ShmLoaderIter(torch_private.BaseDataLoaderIter):
         try:
             index = self._next_index()
         except StopIteration:
+            self._prefetch_next_epoch()
             return
         for _ in range(self._num_workers):  # the next active worker, as torch picks it
             worker_id = next(self._worker_queue_idx_cycle)
@@ -346,8 +395,11 @@ class _ShmLoaderIter(torch_private.BaseDataLoaderIter):
                     break
         else:
             return
-        self._send(worker_id, Task(self._epoch, self._send_idx, index))
-        self._scheduler.task_sent(self._epoch, self._send_idx, worker_id)
+        if self._keeps_prefetched(index, worker_id):
+            self._adopted.add(self._send_idx)  # already in flight: NOTE [ Cross-epoch prefetch ]
+        else:
+            self._send(worker_id, Task(self._epoch, self._send_idx, index))
+            self._scheduler.task_sent(self._epoch, self._send_idx, worker_id)
         self._task_info[self._send_idx] = (worker_id,)
         self._workers_num_tasks[worker_id] += 1
         self._tasks_outstanding += 1
@@ -355,6 +407,53 @@ class _ShmLoaderIter(torch_private.BaseDataLoaderIter):
 
     def _send(self, worker_id: int, message, fds: tuple[int, ...] = ()) -> None:
         self._pool.send(worker_id, message, fds)
+
+    # -- across an epoch's end (NOTE [ Cross-epoch prefetch ] in epochs.py) -----------------------
+
+    def _prefetch_next_epoch(self) -> None:
+        """This epoch's indices are all sent: send the next epoch's forecast first items, one per
+        finished task, so that as many tasks are in flight as torch keeps within an epoch."""
+        if not self._ahead_on or self._shutdown:
+            return
+        count = self._prefetch_factor * self._num_workers
+        if not self._ahead_tried:
+            self._ahead_tried = True
+            self._ahead = epochs.make(self._index_sampler, count, self._epoch + 1, dataset=self._dataset)
+            if self._ahead is not None and len(self._ahead):
+                self._send_resume(self._epoch + 1)  # the workers see it after epoch e's last task
+        ahead = self._ahead
+        if ahead is None or self._ahead_sent >= len(ahead) or self._tasks_outstanding + self._ahead_sent >= count:
+            return
+        position = self._ahead_sent
+        worker_id = position % self._num_workers  # as the next epoch's prime will pick it
+        self._send(worker_id, Task(-ahead.epoch, position, ahead.items[position]))
+        self._scheduler.task_sent(-ahead.epoch, position, worker_id)
+        self._ahead_sent += 1
+
+    def _keeps_prefetched(self, index, worker_id: int) -> bool:
+        """During the prime: whether the task for `index` was sent ahead, to the same worker, with
+        every earlier one kept too (a forecast is kept as a prefix, or not at all from there)."""
+        ahead = self._adopting
+        position = self._send_idx
+        if ahead is None:
+            return False
+        if (position < self._ahead_sent and len(self._adopted) == position
+                and worker_id == position % self._num_workers and ahead.agrees(position, index)):
+            return True
+        self._adopting = None
+        if position < self._ahead_sent:  # the rest were drawn from a wrong forecast: undo their RNG draws
+            for worker in range(self._num_workers):
+                self._send(worker, Rewind(-ahead.epoch, position))
+        return False
+
+    def _result_of(self, epoch: int, idx: int) -> str:
+        """'now' for a result of this epoch, 'early' for one of the next epoch's prefetched tasks
+        (kept aside until it begins), 'stale' for one of an earlier epoch or a forecast not kept."""
+        if epoch == self._epoch or (epoch == -self._epoch and idx in self._adopted):
+            return "now"
+        if self._ahead is not None and epoch == -self._ahead.epoch:
+            return "early"
+        return "stale"
 
     # -- the next batch ------------------------------------------------------------------------------
 
@@ -490,13 +589,17 @@ class _ShmLoaderIter(torch_private.BaseDataLoaderIter):
         """Act on a worker's message; a result of this epoch comes back as (idx, worker_id, what)."""
         kind = type(message)
         if kind is Ready:
-            batch = self._scheduler.ready(worker_id, message, fds, deliver=message.epoch == self._epoch)
+            where = self._result_of(message.epoch, message.idx)
+            batch = self._scheduler.ready(worker_id, message, fds, deliver=where != "stale")
+            if where == "early":
+                self._early[message.idx] = (worker_id, batch)
+                return None
             return None if batch is None else (message.idx, worker_id, batch)
         if kind is State:  # a worker's dataset state after a batch (NOTE [ Resuming mid-epoch ])
             self._resumable.on_worker_state(self, worker_id, message)
             return None
         if kind is Resumed:
-            self._resumed += 1
+            self._resumed[message.epoch] += 1
             return None
         if kind is Fatal:  # an error outside any task: the worker is exiting
             try:
@@ -506,12 +609,16 @@ class _ShmLoaderIter(torch_private.BaseDataLoaderIter):
                 raise
         if kind is Failed or kind is End:
             self._scheduler.result_in(message.epoch, message.idx)
-            if message.epoch != self._epoch:
+            where = self._result_of(message.epoch, message.idx)
+            if where == "stale":
                 return None
             if kind is End:
                 return message.idx, worker_id, _END
-            return message.idx, worker_id, _Failure(worker_id, self._workers[worker_id].pid, message.idx,
-                                                    message.stage, message.payload)
+            failure = _Failure(worker_id, self._workers[worker_id].pid, message.idx, message.stage, message.payload)
+            if where == "early":
+                self._early[message.idx] = (worker_id, failure)
+                return None
+            return message.idx, worker_id, failure
         raise SlotProtocolError(f"unexpected message {message!r:.200} from worker {worker_id}")
 
     def _worker_died(self, worker_id: int):
@@ -543,7 +650,8 @@ class _ShmLoaderIter(torch_private.BaseDataLoaderIter):
             in_place_bytes=self._scheduler.in_place_bytes,
             control_bytes=pool.control_bytes if pool is not None else 0,
             control_messages=pool.control_messages if pool is not None else 0,
-            timing=self._timing_stats(),
+            timing=self._timing_stats(), prefetched_next_epoch=self._prefetched_next_epoch,
+            forecast_misses=self._forecast_misses,
         )
 
     def _timing_stats(self) -> diagnosis.LoaderTiming | None:
@@ -567,6 +675,7 @@ class _ShmLoaderIter(torch_private.BaseDataLoaderIter):
                 self._scheduler.close()
             self._task_info = {}  # batches buffered for reordering: never delivered, unmap them
             self._events.clear()
+            self._early.clear()
             loader = self._loader_ref()
             if loader is not None and self._scheduler is not None:
                 loader._final_stats = self.stats()

@@ -14,6 +14,7 @@ version (a spawned interpreter that imports another shmloader) refuses to start,
     Forget(slot, generation)                     State(epoch, idx, dataset state)
     Resume(epoch)                                Resumed(epoch)
     Stop()                                       Fatal(stage, exception payload)
+    Rewind(epoch, idx)
 
 NOTE [ Status board ]
   One shared segment, made by the main process and mapped by every worker (its fd comes with
@@ -46,7 +47,8 @@ class Hello(NamedTuple):
 
 
 class Task(NamedTuple):
-    """Fetch and collate batch `idx` of `epoch` from `indices` (None for an iterable dataset)."""
+    """Fetch and collate batch `idx` of `epoch` from `indices` (None for an iterable dataset); a
+    negative epoch -e tags a task sent before epoch e began (NOTE [ Cross-epoch prefetch ])."""
     epoch: int
     idx: int
     indices: Any
@@ -74,6 +76,13 @@ class Resume(NamedTuple):
 
 class Stop(NamedTuple):
     """Exit now (NOTE [ Shutdown ] in pool.py)."""
+
+
+class Rewind(NamedTuple):
+    """The tasks sent ahead for `epoch` (a negative tag) from `idx` on are not kept: put the
+    worker's RNGs back as they were before the first of them (NOTE [ Cross-epoch prefetch ])."""
+    epoch: int
+    idx: int
 
 
 # -- worker -> main process ----------------------------------------------------------------------
@@ -123,7 +132,7 @@ class Fatal(NamedTuple):
 
 
 MESSAGES: tuple[type, ...] = (Hello, Task, Grant, Forget, Resume, Stop,
-                              Ready, Failed, End, State, Resumed, Fatal)
+                              Ready, Failed, End, State, Resumed, Fatal, Rewind)
 _TAG = {kind: tag for tag, kind in enumerate(MESSAGES)}
 
 

@@ -61,6 +61,7 @@ from .protocol import (
     Ready,
     Resume,
     Resumed,
+    Rewind,
     Stop,
     Task,
     check_version,
@@ -241,6 +242,7 @@ class _Worker:
         self.crash_file = None  # where faulthandler writes (crashlog.py)
         self.grants: collections.deque[tuple[int, int, int, int]] = collections.deque()  # (slot, gen, cap, hint)
         self.pending: collections.deque[tuple[tuple, list[int]]] = collections.deque()
+        self.rewind_points: dict[tuple[int, int], tuple] = {}  # tasks sent ahead -> RNG states before
 
     def _enter(self, stage: int, idx: int = -1) -> str:
         """Record the stage in this worker's status word (and time the one it leaves: NOTE
@@ -312,7 +314,10 @@ class _Worker:
                 except _Stopped:
                     return
                 self._enter(IDLE)
+            elif kind is Rewind:
+                self._rewind(message)
             elif kind is Resume:
+                self.rewind_points = {k: v for k, v in self.rewind_points.items() if k[0] == -message.epoch}
                 if self.init_error is None:
                     self._enter(STARTING)
                     try:
@@ -383,8 +388,26 @@ class _Worker:
                     self.pending.append((message, fds))
         return self.grants.popleft()
 
+    def _rewind(self, message: Rewind) -> None:
+        """Undo the RNG draws of the tasks sent ahead that the main process did not keep, so that
+        the tasks that follow draw what they would have under torch (NOTE [ Cross-epoch prefetch ]
+        in epochs.py)."""
+        dropped = sorted(k for k in self.rewind_points if k[0] == message.epoch and k[1] >= message.idx)
+        if dropped:
+            py_state, np_state, torch_state = self.rewind_points[dropped[0]]
+            random.setstate(py_state)
+            import numpy as np
+
+            np.random.set_state(np_state)
+            torch.set_rng_state(torch_state)
+        self.rewind_points = {k: v for k, v in self.rewind_points.items() if k[0] != message.epoch}
+
     def _task(self, message: Task) -> None:
         epoch, idx, index = message
+        if epoch < 0:  # sent ahead of its epoch: it may not be kept (Rewind)
+            import numpy as np
+
+            self.rewind_points[(epoch, idx)] = (random.getstate(), np.random.get_state(), torch.get_rng_state())
         spec = self.spec
         stage = STAGES[IDLE]
         grant = None

@@ -30,6 +30,7 @@ EXAMPLES = [
     protocol.State(0, 3, {"fetcher": 1}),
     protocol.Resumed(3),
     protocol.Fatal("running worker_init_fn", ("ValueError", "x", "tb")),
+    protocol.Rewind(-2, 3),
 ]
 
 

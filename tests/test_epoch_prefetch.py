@@ -1,0 +1,211 @@
+"""Cross-epoch prefetch (NOTE [ Cross-epoch prefetch ] in epochs.py): with persistent workers the
+next epoch's first batches are fetched while this epoch's last ones are consumed, and the batches
+are torch's, epoch for epoch, for every kind of sampler; a forecast the sampler does not bear out
+costs time, never a wrong batch."""
+
+from __future__ import annotations
+
+import os
+import random
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import BatchSampler, DataLoader, Dataset, DistributedSampler, RandomSampler
+
+from shmloader import ShmDataLoader
+
+from . import _datasets as ds
+from ._helpers import assert_same_batches
+
+pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("no_leaks")]
+
+EPOCHS = 3
+
+
+class Noisy(Dataset):
+    """Each sample carries its index and a draw from the worker's numpy RNG (so a batch fetched
+    by another worker, or at another point of its RNG stream, would differ)."""
+
+    def __len__(self):
+        return 40
+
+    def __getitem__(self, i):
+        return {"index": i, "noise": np.random.random(2), "worker": torch.utils.data.get_worker_info().id}
+
+
+class Failing(Dataset):
+    def __len__(self):
+        return 24
+
+    def __getitem__(self, i):
+        if i == 3:
+            raise KeyError(f"no sample {i}")
+        return np.full(3, i, dtype=np.int64)
+
+
+def run(make, epochs: int = EPOCHS, between=None) -> list:
+    """Every batch of `epochs` epochs of one loader (persistent workers), `between(epoch)` called
+    before each iter()."""
+    loader = make()
+    got = []
+    for epoch in range(epochs):
+        if between is not None:
+            between(loader, epoch)
+        got.append(list(loader))
+    return got, loader
+
+
+def side_by_side(dataset, between=None, prefetched: bool = True, **kwargs):
+    """The same epochs from torch's DataLoader and ShmDataLoader; returns shmloader's stats."""
+    kwargs = dict(num_workers=2, persistent_workers=True, **kwargs)
+    seed = kwargs.pop("seed", None)
+
+    def make(cls):
+        extra = {}
+        if seed is not None:
+            extra["generator"] = torch.Generator().manual_seed(seed)
+        for key in ("sampler", "batch_sampler"):
+            if key in kwargs and callable(kwargs[key]):
+                extra[key] = kwargs[key](dataset)
+        rest = {k: v for k, v in kwargs.items() if k not in extra}
+        return lambda: cls(dataset, **rest, **extra)
+
+    torch.manual_seed(7)
+    want, _ = run(make(DataLoader), between=between)
+    torch.manual_seed(7)
+    got, loader = run(make(ShmDataLoader), between=between)
+    for epoch, (g, w) in enumerate(zip(got, want)):
+        assert len(g) == len(w), f"epoch {epoch}: {len(g)} batches, torch {len(w)}"
+        assert_same_batches(g, w)
+    stats = loader.stats()
+    if prefetched:  # the feature did something: the first batches of epochs 2 and 3 were in flight
+        assert stats.prefetched_next_epoch >= 2 * (EPOCHS - 1), stats
+    return stats
+
+
+def test_random_sampler_with_a_generator():
+    stats = side_by_side(Noisy(), batch_size=4, shuffle=True, seed=3)
+    assert stats.forecast_misses == 0
+
+
+def test_distributed_sampler_with_set_epoch():
+    def sampler(dataset):
+        return DistributedSampler(dataset, num_replicas=2, rank=1, shuffle=True, seed=5)
+
+    def set_epoch(loader, epoch):
+        loader.sampler.set_epoch(epoch)
+
+    stats = side_by_side(Noisy(), batch_size=3, sampler=sampler, between=set_epoch)
+    assert stats.forecast_misses == 0
+
+
+def test_distributed_sampler_without_set_epoch_misses_and_stays_torchs():
+    """A user who never calls set_epoch gets the same order each epoch (torch's behaviour): the
+    forecast (epoch + 1) is wrong, nothing prefetched is kept, the batches are still torch's."""
+    def sampler(dataset):
+        return DistributedSampler(dataset, num_replicas=2, rank=0, shuffle=True, seed=5)
+
+    stats = side_by_side(Noisy(), batch_size=3, sampler=sampler, prefetched=False)
+    assert stats.forecast_misses == EPOCHS - 1 and stats.prefetched_next_epoch == 0, stats
+
+
+def test_batch_sampler():
+    def batch_sampler(dataset):
+        return BatchSampler(RandomSampler(dataset, generator=torch.Generator().manual_seed(11)),
+                            batch_size=5, drop_last=True)
+
+    side_by_side(Noisy(), batch_sampler=batch_sampler)
+
+
+def test_custom_batch_sampler_with_its_own_rng():
+    class Chunks:
+        def __init__(self, n):
+            self.n, self.rng = n, random.Random(4)
+
+        def __len__(self):
+            return self.n // 4
+
+        def __iter__(self):
+            order = list(range(self.n))
+            self.rng.shuffle(order)
+            return iter([order[i:i + 4] for i in range(0, self.n - 3, 4)])
+
+    side_by_side(Noisy(), batch_sampler=lambda d: Chunks(len(d)))
+
+
+def test_global_rng_sampler_is_kept_only_when_the_loop_draws_nothing():
+    """shuffle=True without a generator seeds from torch's global RNG at the epoch's first item:
+    a loop that draws from it (dropout, torch.rand) makes the forecast wrong; the batches stay
+    torch's either way."""
+    side_by_side(Noisy(), batch_size=4, shuffle=True)
+
+    def draw(loader, epoch):
+        torch.rand(1)  # between the forecast and the next epoch's first item
+
+    stats = side_by_side(Noisy(), batch_size=4, shuffle=True, between=draw, prefetched=False)
+    assert stats.forecast_misses >= 1, stats
+
+
+def test_iterable_dataset_is_not_prefetched_and_is_torchs():
+    stats = side_by_side(ds.UnevenStream(), batch_size=2, prefetched=False)
+    assert stats.prefetched_next_epoch == 0
+
+
+def test_turned_off():
+    loader = ShmDataLoader(Noisy(), batch_size=4, num_workers=2, persistent_workers=True,
+                           prefetch_next_epoch=False)
+    for _ in range(EPOCHS):
+        list(loader)
+    assert loader.stats().prefetched_next_epoch == 0
+
+
+def test_an_error_in_a_prefetched_batch_is_raised_at_its_turn():
+    """Index 3 raises in each epoch (sequential sampler: batch 1); with the next epoch's first
+    batches prefetched, the error is still raised at batch 1 of each epoch and the rest follow."""
+    def epochs_of(cls):
+        loader = cls(Failing(), batch_size=2, num_workers=2, persistent_workers=True)
+        seen = []
+        for _ in range(EPOCHS):
+            it = iter(loader)
+            epoch = []
+            while True:
+                try:
+                    epoch.append(next(it)[0, 0].item())
+                except StopIteration:
+                    break
+                except KeyError:
+                    epoch.append("KeyError")
+            seen.append(epoch)
+        return seen, loader
+
+    want, _ = epochs_of(DataLoader)
+    got, loader = epochs_of(ShmDataLoader)
+    assert got == want and "KeyError" in got[1], got
+    assert loader.stats().prefetched_next_epoch > 0
+
+
+def test_an_epoch_left_early_then_the_next_one():
+    """The loop breaks out of epoch 1 after its sampler is exhausted but before its last batches
+    (the next epoch's tasks are in flight), then starts epoch 2: torch's batches."""
+    def epochs_of(cls):
+        loader = cls(Noisy(), batch_size=2, num_workers=2, persistent_workers=True, shuffle=True,
+                     generator=torch.Generator().manual_seed(1))
+        out = []
+        for epoch in range(EPOCHS):
+            for i, batch in enumerate(loader):
+                out.append(batch)
+                if epoch == 0 and i == len(loader) - 3:
+                    break
+        return out
+
+    assert_same_batches(epochs_of(ShmDataLoader), epochs_of(DataLoader))
+
+
+def test_workers_and_segments_are_released(tmp_path):
+    """An epoch left with the next one's tasks in flight, then the loader dropped: nothing stays
+    (the no_leaks fixture checks processes, fds and /dev/shm)."""
+    loader = ShmDataLoader(Noisy(), batch_size=4, num_workers=2, persistent_workers=True)
+    list(loader)
+    assert os.getpid() > 0
+    del loader
