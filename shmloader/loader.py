@@ -258,6 +258,7 @@ class _ShmLoaderIter(torch_private.BaseDataLoaderIter):
                           and not state.is_stateful(self._dataset))
         self._ahead: epochs.Forecast | None = None  # the next epoch's, while this one ends
         self._ahead_sent = 0  # of its items sent as tasks (tagged -(epoch))
+        self._adoptable = 0  # during a prime: how many of the last forecast's items were sent
         self._ahead_tried = False  # this epoch's forecast was made (or could not be)
         self._early: dict[int, tuple] = {}  # the next epoch's results, in before it began
         self._adopting: epochs.Forecast | None = None  # the forecast the prime checks, item by item
@@ -341,12 +342,16 @@ class _ShmLoaderIter(torch_private.BaseDataLoaderIter):
             # Stale results of the last epoch arrive before each worker's Resumed and free
             # their slots here.
             self._wait_for_event(until=lambda: self._resumed[self._epoch] >= self._num_workers)
+        # The last epoch's forecast, taken aside: a short epoch may make the next one's during
+        # this very prime.
         ahead, self._ahead, self._ahead_tried = self._ahead, None, False
         self._adopting = ahead if ahead is not None and ahead.epoch == self._epoch else None
+        self._adoptable, self._ahead_sent = self._ahead_sent, 0
+        early, self._early = self._early, {}
         self._resumable.before_prime(self, loader, first_iter)  # resume a loaded state
         for _ in range(self._prefetch_factor * self._num_workers):
             self._try_put_index()
-        self._take_prefetched(ahead)
+        self._take_prefetched(ahead, early)
 
     def _send_resume(self, epoch: int) -> None:
         """Tell every worker that `epoch` begins (once: maybe before the loop gets to it)."""
@@ -355,15 +360,14 @@ class _ShmLoaderIter(torch_private.BaseDataLoaderIter):
             for worker_id in range(self._num_workers):
                 self._send(worker_id, Resume(epoch))
 
-    def _take_prefetched(self, ahead) -> None:
+    def _take_prefetched(self, ahead, early: dict) -> None:
         """After the prime: the results of the kept prefetched batches join this epoch's; those
         the sampler did not bear out are dropped (their slots go back as their leases die), and
         their tasks' late results are dropped as a stale epoch's."""
         self._adopting = None
-        early, self._early = self._early, {}
-        if ahead is not None and len(self._adopted) < self._ahead_sent:
+        if ahead is not None and len(self._adopted) < self._adoptable:
             self._forecast_misses += 1
-        self._ahead_sent = 0
+        self._adoptable = 0
         for idx in sorted(self._adopted):
             if idx in early:
                 worker_id, data = early.pop(idx)
@@ -437,11 +441,11 @@ class _ShmLoaderIter(torch_private.BaseDataLoaderIter):
         position = self._send_idx
         if ahead is None:
             return False
-        if (position < self._ahead_sent and len(self._adopted) == position
+        if (position < self._adoptable and len(self._adopted) == position
                 and worker_id == position % self._num_workers and ahead.agrees(position, index)):
             return True
         self._adopting = None
-        if position < self._ahead_sent:  # the rest were drawn from a wrong forecast: undo their RNG draws
+        if position < self._adoptable:  # the rest were drawn from a wrong forecast: undo their RNG draws
             for worker in range(self._num_workers):
                 self._send(worker, Rewind(-ahead.epoch, position))
         return False

@@ -209,3 +209,11 @@ def test_workers_and_segments_are_released(tmp_path):
     list(loader)
     assert os.getpid() > 0
     del loader
+
+
+def test_epochs_shorter_than_the_prefetch_window():
+    """4 batches an epoch, 8 tasks in flight: each epoch's prime exhausts its sampler, so the next
+    epoch's forecast is made (and its tasks sent) during the prime itself."""
+    side_by_side(Noisy(), batch_size=10, shuffle=True, seed=3, prefetch_factor=4)
+    stats = side_by_side(Noisy(), batch_size=40, shuffle=True, seed=3, prefetched=False)  # one batch an epoch
+    assert stats.prefetched_next_epoch == EPOCHS - 1, stats
