@@ -209,7 +209,10 @@ def worker_main(spec: WorkerSpec, sock) -> None:
         close_parent_only_in_child()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the main process's to handle
     _keep_freed_memory()
-    faulthandler.enable()
+    try:
+        faulthandler.enable()  # until the crash log arrives (_start)
+    except (RuntimeError, ValueError, OSError, AttributeError):
+        pass  # sys.stderr replaced by an object without a file descriptor (pytest's capsys, a notebook)
     threading.Thread(target=_watch_main_process, args=(spec.main_pid,), daemon=True,
                      name="shmloader-parent-watch").start()
     channel = Channel(sock)

@@ -68,7 +68,8 @@ def _workers_of(loader) -> list[int]:
 
 def test_held_batches_cost_no_fd_and_memory_goes_back_to_the_working_ring():
     shm = ShmDataLoader(ds.ArrayDataset(n=120, nbytes=8192), batch_size=2, num_workers=WORKERS,
-                        prefetch_factor=PREFETCH, persistent_workers=True)
+                        prefetch_factor=PREFETCH, persistent_workers=True,
+                        prefetch_next_epoch=False)  # a quiet ring once the epoch is over
     it = iter(shm)
     held = [next(it) for _ in range(20)]
     fds_20 = len(os.listdir("/proc/self/fd"))
@@ -98,7 +99,8 @@ def test_workers_forget_pre_growth_segments():
     """Batches that grow their slots: no process keeps a pre-growth segment mapped, so what the
     processes map together is what stats() reports reserved."""
     shm = ShmDataLoader(ds.VariableLengthDataset(n=48, step=4096), batch_size=4, num_workers=WORKERS,
-                        prefetch_factor=PREFETCH, persistent_workers=True, collate_fn=ds.pad_collate)
+                        prefetch_factor=PREFETCH, persistent_workers=True, collate_fn=ds.pad_collate,
+                        prefetch_next_epoch=False)  # nothing in flight once the epoch is over
     for _ in range(2):
         for _batch in shm:
             pass

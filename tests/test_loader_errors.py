@@ -291,3 +291,13 @@ def test_generic_like_torchs_dataloader():
     assert typing.get_origin(alias) is ShmDataLoader
     assert typing.get_args(alias) == (list[torch.Tensor],)
     assert len(ShmDataLoader.__parameters__) == len(DataLoader.__parameters__) == 1
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("start_method", ["fork", "forkserver"])
+def test_workers_start_when_stderr_has_no_file_descriptor(capsys, start_method):
+    """pytest's capsys (or a notebook) replaces sys.stderr by an object without a file descriptor;
+    a forked worker inherits it: it must start all the same, as torch's do."""
+    loader = ShmDataLoader(ds.ArrayDataset(n=8, nbytes=64), batch_size=2, num_workers=2,
+                           multiprocessing_context=start_method)
+    assert_same_batches(collect(loader), collect(DataLoader(ds.ArrayDataset(n=8, nbytes=64), batch_size=2)))
