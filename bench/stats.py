@@ -20,7 +20,7 @@ METRICS = {
     # the mode workloads (epochs, rows)
     "total_s": "lower",  # epochs: loader construction -> end of the last epoch; rows: iter() -> end
     "first_batch_s": "lower",  # rows: iter() -> first batch in hand
-    "timed_mean_s_per_batch": "lower",  # rows: the mean over the timed batches (seed001's figure)
+    "median_s_per_batch": "lower",  # rows: median per-batch time of the timed batches
     "first_wait_e1_s": "lower",  # epochs: iter() -> first batch of epoch 1 (workers start)
     "first_wait_e2_s": "lower",  # ... of epoch 2 (persistent workers)
     "first_wait_e3_s": "lower",  # ... of epoch 3

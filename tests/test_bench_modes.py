@@ -117,11 +117,14 @@ def test_rows_quick_end_to_end(tmp_path, capfd):
     for tn in ran:
         assert "repeats" in p["transports"][tn], (tn, p["transports"][tn], doc["warnings"])
         (r,) = p["transports"][tn]["repeats"]
-        for k in ("first_batch_s", "s_per_batch", "total_s", "peak_mem_bytes"):
+        for k in ("first_batch_s", "s_per_batch", "median_s_per_batch", "total_s",
+                  "peak_mem_bytes", "peak_shm_bytes"):
             assert r[k] is not None and r[k] >= 0, (tn, k)
             assert k in p["transports"][tn]["summary"], (tn, k)
         assert len(r["batch_s"]) == p["warmup"] + p["batches"]
         assert r["total_s"] == pytest.approx(sum(r["batch_s"]))
+        timed = r["batch_s"][p["warmup"]:]
+        assert r["s_per_batch"] == pytest.approx(sum(timed) / len(timed))  # seed001's figure
     assert not [w for w in doc["warnings"] if "leaked" in w or "killed" in w], doc["warnings"]
     assert "TTFB / torch-shm" in out and "steady / bound" in out
 
