@@ -374,13 +374,15 @@ def run_epochs(t: Transport, p: Point, watch: MemWatch, dataset=None) -> dict:
     Per epoch: the wait for its first batch, from the ``iter()`` call to the batch in hand (the
     ``iter()`` included: that is where a loader that has not prefetched starts its workers), and
     the median wait in ``next()`` over batches ``steady_from``.. of the epoch. ``steady_wait_s``
-    pools the steady waits of all epochs; ``boundary_ratio_eK`` = epoch K's first wait / it."""
+    pools the steady waits of all epochs; ``boundary_ratio_eK`` = epoch K's first wait / it.
+    ``first_batch_sums``: per epoch, the sum of element [0, 0] of each sample of its first batch
+    (a sample is a function of its index): equal across transports = the same shuffled order."""
     prm = p.params
     n_epochs, per_epoch, step_s = prm["epochs"], prm["epoch_batches"], prm["step_s"]
     steady_from = prm["steady_from"]
 
     def drive(loader, t0, note_children) -> dict:
-        first, steady_med, steady_all, epoch_s = [], [], [], []
+        first, steady_med, steady_all, epoch_s, sums = [], [], [], [], []
         batch = None
         for e in range(n_epochs):
             te = time.perf_counter()
@@ -393,8 +395,10 @@ def run_epochs(t: Transport, p: Point, watch: MemWatch, dataset=None) -> dict:
                 except StopIteration:
                     break
                 waits.append(time.perf_counter() - (te if not waits else t1))
-                if e == 0 and len(waits) == 1:
-                    note_children()
+                if len(waits) == 1:
+                    sums.append(float(batch[:, 0, 0].sum()))
+                    if e == 0:
+                        note_children()
                 time.sleep(step_s)  # the train step, the batch held (as a for loop holds it)
             epoch_s.append(time.perf_counter() - te)
             if len(waits) != per_epoch:
@@ -414,6 +418,7 @@ def run_epochs(t: Transport, p: Point, watch: MemWatch, dataset=None) -> dict:
             "first_waits_s": first,
             "epoch_steady_waits_s": steady_med,
             "epoch_s": epoch_s,
+            "first_batch_sums": sums,
         }
         for k, w in enumerate(first[:3], 1):
             out[f"first_wait_e{k}_s"] = w

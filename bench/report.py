@@ -339,6 +339,17 @@ def epochs_table(doc: dict) -> str:
                                  "e2 first / steady", "e3 first / steady"]))
         out.append("  (first wait: iter() -> batch 0 of the epoch in hand; steady wait: median "
                    f"time in next() for batches {prm.get('steady_from')}.. of every epoch)")
+        orders = {tn: {tuple(r.get("first_batch_sums", ())) for r in t["repeats"]}
+                  for tn, t in p["transports"].items() if "skipped" not in t}
+        ref = orders.get("torch-shm")
+        if ref is not None:
+            same = [tn for tn, o in orders.items() if tn != "torch-shm" and o == ref]
+            differ = [tn for tn, o in orders.items() if tn != "torch-shm" and o != ref]
+            if same:
+                out.append(f"  same shuffled order as torch-shm in every epoch: {', '.join(same)}")
+            if differ:
+                out.append(f"  ORDER DIFFERS from torch-shm (first batch of an epoch): "
+                           f"{', '.join(differ)}")
         out += _skipped_lines(p)
         out.append("")
     return "\n".join(out).rstrip()

@@ -101,8 +101,12 @@ def test_epochs_quick_end_to_end(tmp_path, capfd):
         assert r["first_wait_e2_s"] == r["first_waits_s"][1]
         assert r["boundary_ratio_e2"] == pytest.approx(r["first_wait_e2_s"] / r["steady_wait_s"])
         assert r["total_s"] >= sum(r["epoch_s"])
+        assert len(set(r["first_batch_sums"])) == 3  # each epoch reshuffled
+    ref = p["transports"]["torch-shm"]["repeats"][0]["first_batch_sums"]
+    for tn in ran:  # the same seeded order through every loader
+        assert p["transports"][tn]["repeats"][0]["first_batch_sums"] == ref, tn
     assert not [w for w in doc["warnings"] if "leaked" in w or "killed" in w], doc["warnings"]
-    assert "e2 first / steady" in out and "torch-shm" in out
+    assert "e2 first / steady" in out and "same shuffled order as torch-shm" in out
 
 
 @pytest.mark.timeout(120)
