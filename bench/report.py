@@ -404,10 +404,15 @@ def rows_table(doc: dict) -> str:
                    "throughput); total: iter() -> end of the last step; peak mem: PSS of main + "
                    "workers + /dev/shm above the start, shm: /dev/shm alone; x / y < 1: x is "
                    "lower)")
+        ns = [r.get("pss_samples") for t in p["transports"].values()
+              for r in t.get("repeats", []) if r.get("pss_samples")]
+        if ns:
+            out.append(f"  bench.memwatch took {min(ns)}-{max(ns)} PSS samples per run (one every "
+                       "20x the time a sample takes: smaps_rollup of processes mapping GBs is "
+                       "slow; nice 19); /dev/shm every 5 ms")
         if undersampled:
-            out.append(f"  peak mem below peak shm for {', '.join(undersampled)}: bench.memwatch "
-                       "samples PSS sparsely (nice 19, a busy machine) and missed that peak; "
-                       "their peak mem is a lower bound")
+            out.append(f"  peak mem below peak shm for {', '.join(undersampled)}: PSS was not "
+                       "sampled at that peak; their peak mem is a lower bound")
         out += _skipped_lines(p)
         out.append("")
     return "\n".join(out).rstrip()
