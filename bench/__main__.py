@@ -8,6 +8,8 @@ prints seconds per batch (median [min-max]) side by side with the work bound. Ot
 
     python -m bench --workload transport --sizes 1M,64M,256M --repeats 3
     python -m bench --workload all           # every workload at its defaults (the longest run)
+    python -m bench -w epochs                # the epoch boundary: first wait of each epoch
+    python -m bench -w rows --workers 8      # sample-parallel: TTFB, steady, memory, bound
     python -m bench --quick                  # CI: a little of everything, under a minute
     python -m bench -w transport --sizes 1M --consumers touch \
         --transports shmloader,shmloader-untimed --repeats 7   # what stats().timing costs
@@ -31,9 +33,12 @@ from .measure import MemWatch, run_once, seed_costs, wait_quiet
 from .transports import all_transports, cores, shmloader_status, skip_reason
 from .workloads import (
     DEFAULT_SIZES,
+    MODE_WORKLOADS,
     WORKLOADS,
     MiB,
+    epochs_points,
     parse_size,
+    rows_points,
     seed001_points,
     small_points,
     transport_points,
@@ -44,6 +49,14 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 SEED_TRANSPORTS = ("torch-pickle", "torch-shm", "shmloader-np", "shmloader", "spdl-arena")
 OTHER_TRANSPORTS = ("torch-pickle", "torch-shm", "torch-pickle-np", "shmloader",
                     "shmloader-np-stack", "spdl-arena", "memcpy", "memcpy-*")
+# the mode workloads' transports (bench.transports; a mode's is skipped where not yet built)
+MODE_TRANSPORTS = {
+    "epochs": ("torch-shm", "shmloader", "shmloader-no-epoch-prefetch"),
+    "rows": ("torch-shm", "shmloader", "shmloader-rows"),
+}
+MODE_ONLY = ("shmloader-no-epoch-prefetch", "shmloader-rows")
+EPOCHS_WORKERS = 4  # 4 x 32 samples x 3 ms: the workers keep ahead of the 0.05 s step
+ROWS_WORKERS = 8
 MAIN_REPEATS = 3  # runs per cell (main job too): median [min-max] of three interleaved runs
 
 
@@ -63,12 +76,14 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=__doc__.split("\n\n", 1)[1],
     )
     ap.add_argument("--workload", "-w", default=None,
-                    help=f"comma list of {', '.join(WORKLOADS)}, or 'all' "
-                         "(default: the main job, seed001 large items)")
+                    help=f"comma list of {', '.join(WORKLOADS + MODE_WORKLOADS)}, or 'all' "
+                         "(default: the main job, seed001 large items; --quick alone runs "
+                         f"{', '.join(WORKLOADS)})")
     ap.add_argument("--sizes", default=None,
                     help="transport batch sizes, e.g. 1M,16M,64M,256M (the default)")
     ap.add_argument("--workers", default=None,
                     help="num_workers list (default: seed001 0,2,4,6,8 [main job 0,2,4,8]; "
+                         f"epochs {EPOCHS_WORKERS}; rows {ROWS_WORKERS}; --quick 2; "
                          "others: the machine's cores)")
     ap.add_argument("--items", default=None, help="seed001 items: large,small (default both; "
                     "main job large)")
@@ -82,8 +97,10 @@ def build_parser() -> argparse.ArgumentParser:
                          "SHMLOADER_TIMING=0: the cost of stats().timing, only when named)")
     ap.add_argument("--repeats", type=int, default=None,
                     help=f"runs per transport and point (default {MAIN_REPEATS}; --quick 1)")
-    ap.add_argument("--batches", type=int, default=None, help="timed batches per run (override)")
-    ap.add_argument("--warmup", type=int, default=None, help="untimed batches first (override)")
+    ap.add_argument("--batches", type=int, default=None,
+                    help="timed batches per run (override; not for epochs: 3 x 20 batches)")
+    ap.add_argument("--warmup", type=int, default=None,
+                    help="untimed batches first (override; not for epochs)")
     ap.add_argument("--quick", action="store_true",
                     help="a little of every workload, one repeat: under a minute (CI)")
     ap.add_argument("--out", default=os.path.join(HERE, "results"), help="output folder")
@@ -104,12 +121,13 @@ def plan(args) -> tuple[str, list, list[str]]:
     if args.workload in (None, ""):
         wls = ["seed001"] if main_job else list(WORKLOADS)
     elif args.workload == "all":
-        wls = list(WORKLOADS)
+        wls = list(WORKLOADS + MODE_WORKLOADS)
     else:
         wls = _names(args.workload)
         for w in wls:
-            if w not in WORKLOADS:
-                raise SystemExit(f"--workload: unknown workload {w!r} (choose from {WORKLOADS})")
+            if w not in WORKLOADS + MODE_WORKLOADS:
+                raise SystemExit(f"--workload: unknown workload {w!r} "
+                                 f"(choose from {WORKLOADS + MODE_WORKLOADS})")
     consumers = _names(args.consumers)
     for c in consumers:
         if c not in ("touch", "read"):
@@ -132,12 +150,17 @@ def plan(args) -> tuple[str, list, list[str]]:
         points += small_points(w_other, quick=q)
     if "vision" in wls:
         points += vision_points(w_other, ["touch"] if q else consumers, quick=q)
+    if "rows" in wls:
+        points += rows_points(workers or [2 if q else ROWS_WORKERS], quick=q,
+                              batches=4 if q else 16, warmup=2 if q else 5)
     if args.batches or args.warmup is not None:
         import dataclasses
 
         points = [dataclasses.replace(p, batches=args.batches or p.batches,
                                       warmup=p.warmup if args.warmup is None else args.warmup)
                   for p in points]
+    if "epochs" in wls:  # after the override: its batches are the epochs' (3 x 20)
+        points += epochs_points(workers or [2 if q else EPOCHS_WORKERS], quick=q)
     known = all_transports()
     if args.transports:
         names = _names(args.transports)
@@ -145,10 +168,20 @@ def plan(args) -> tuple[str, list, list[str]]:
             if n not in known and not (n == "memcpy-*"):
                 raise SystemExit(f"--transports: unknown {n!r} (choose from {', '.join(known)})")
     else:
-        names = list(dict.fromkeys(SEED_TRANSPORTS + OTHER_TRANSPORTS))
+        names = list(dict.fromkeys(SEED_TRANSPORTS + OTHER_TRANSPORTS + MODE_ONLY))
     names = [k for k in known if k in names or (k.startswith("memcpy-") and "memcpy-*" in names)]
     name = args.name or ("main" if main_job else "quick" if q else "bench")
     return name, points, names
+
+
+def rows_costs(costs: dict, batch_size: int, step_s: float) -> dict:
+    """seed001's measured per-batch costs (128 items) for a ``rows`` batch of ``batch_size``
+    items and its step: fetch, compute and copy scale with the items."""
+    from .workloads import SEED_BATCH
+
+    k = batch_size / SEED_BATCH
+    return {**costs, "fetch_s": costs["fetch_s"] * k, "compute_s": costs["compute_s"] * k,
+            "copy_s": costs["copy_s"] * k, "step_s": step_s}
 
 
 def default_repeats(args) -> int:
@@ -158,12 +191,16 @@ def default_repeats(args) -> int:
 def transports_for(point, names: list[str], explicit: bool = False) -> list[str]:
     """seed001 compares the loaders of SEED_TRANSPORTS (no memcpy: the work bound is its
     reference); the other workloads leave out shmloader-np unless it was asked for by name (its
-    numpy collate there is the ``np.stack`` that shmloader-np-stack runs)."""
+    numpy collate there is the ``np.stack`` that shmloader-np-stack runs). The mode workloads
+    (epochs, rows) run their MODE_TRANSPORTS only; their mode-only transports run nowhere else
+    unless named."""
     if point.workload == "seed001":
         return [n for n in names if n in SEED_TRANSPORTS]
+    if point.workload in MODE_TRANSPORTS:
+        return [n for n in names if n in MODE_TRANSPORTS[point.workload]]
     if explicit:
         return names
-    return [n for n in names if n != "shmloader-np"]
+    return [n for n in names if n != "shmloader-np" and n not in MODE_ONLY]
 
 
 class Progress:
@@ -213,17 +250,25 @@ def run(args) -> dict:
         "warnings": [] if ok else [f"shmloader not importable ({why}): its rows are skipped"],
     }
     seed_pts = [p for p in points if p.workload == "seed001"]
-    if seed_pts:
-        costs = {it: seed_costs(it, cores()) for it in sorted({p.label for p in seed_pts})}
+    rows_pts = [p for p in points if p.workload == "rows"]
+    if seed_pts or rows_pts:
+        costs = {it: seed_costs(it, cores())
+                 for it in sorted({p.label for p in seed_pts + rows_pts})}
+        by_point = {
+            p.key: stats.seed_work_bound(p.num_workers, copies=0 if p.num_workers == 0 else 1,
+                                         **costs[p.label])
+            for p in seed_pts
+        }
+        for p in rows_pts:  # seed001's items map-style: the same work, per sample
+            by_point[p.key] = stats.seed_work_bound(
+                p.num_workers, copies=0 if p.num_workers == 0 else 1,
+                **rows_costs(costs[p.label], p.batch_size, p.params["step_s"]))
         doc["work_bound"] = {
             "costs": costs,
-            "by_point": {
-                p.key: stats.seed_work_bound(p.num_workers, copies=0 if p.num_workers == 0 else 1,
-                                             **costs[p.label])
-                for p in seed_pts
-            },
+            "by_point": by_point,
             "rule": "no workers: fetch + compute + step; w workers: max(step, (fetch + compute + "
-                    "copy) / w, (compute + copy) / min(w, cores))",
+                    "copy) / w, (compute + copy) / min(w, cores)); rows: seed001's costs "
+                    "scaled to its batch (items / 128), its own step",
         }
     steps = sum(repeats * len(transports_for(p, names, bool(args.transports))) for p in points)
     prog = Progress(steps, enabled=not args.no_progress)

@@ -31,6 +31,7 @@ import numpy as np
 import psutil
 import torch
 
+from . import stats
 from .transports import Transport, close_loader, make_loader, prepare, ring_info, time_memcpy
 from .workloads import SEED_STEP_S, Point
 
@@ -314,12 +315,178 @@ def run_loader(t: Transport, p: Point, watch: MemWatch, dataset=None) -> dict:
     return out
 
 
+# ---------------------------------------------------------------------------------------------
+# the mode workloads (epochs, rows): their own loops, the same bookkeeping around them
+
+
+def _run_driven(t: Transport, p: Point, watch: MemWatch, dataset, drive) -> dict:
+    """Build ``t``'s loader for ``p``, call ``drive(loader, t0, note_children)`` (which iterates
+    it and returns its metrics), then shut the workers down and check for leftovers, as
+    :func:`run_loader` does. ``t0`` is when the loader is about to be made; ``drive`` calls
+    ``note_children()`` once the workers exist (after a first batch)."""
+    prepare(t)
+    keep = {c.pid for c in psutil.Process().children(recursive=True)}
+    shm_before = shm_entries()
+    gc.collect()
+    watch.start()
+    skip = {os.getpid(), *keep}
+    others0 = other_cpu(skip)
+    pids = {os.getpid()}
+
+    def note_children() -> None:
+        pids.update({c.pid for c in psutil.Process().children(recursive=True)} - keep)
+
+    t0 = time.perf_counter()
+    loader = make_loader(t, p, dataset)
+    try:
+        out = drive(loader, t0, note_children)
+        ring = ring_info(loader) if t.loader == "shmloader" else None
+        note_children()
+        mem = watch.stop()
+    finally:
+        close_loader(loader, getattr(loader, "_iterator", None))
+        del loader
+        gc.collect()
+    killed = reap_children(keep)
+    out.update(
+        peak_mem_bytes=mem.get("peak_mem_bytes"),
+        peak_shm_bytes=mem.get("peak_shm_bytes"),
+        max_procs=mem.get("max_procs"),
+        pss_samples=mem.get("pss_samples"),  # few on a busy machine: peak_mem may miss a peak
+        foreign_cpu_s=other_cpu_seconds(others0, other_cpu(skip)),
+        wall_s=time.perf_counter() - t0,
+    )
+    leaked = sorted(set(ours(shm_entries() - shm_before, pids)))
+    if ring is not None:
+        out["ring"] = ring
+    if killed:
+        out["killed_workers"] = killed
+    if leaked:
+        out["leaked_shm"] = leaked
+    return out
+
+
+def run_epochs(t: Transport, p: Point, watch: MemWatch, dataset=None) -> dict:
+    """``epochs``: one loader (persistent workers), ``params["epochs"]`` epochs of
+    ``params["epoch_batches"]`` batches, a ``params["step_s"]`` sleep after each batch, as a
+    ``for batch in loader`` loop runs them (the last batch is still held at the next ``iter()``).
+
+    Per epoch: the wait for its first batch, from the ``iter()`` call to the batch in hand (the
+    ``iter()`` included: that is where a loader that has not prefetched starts its workers), and
+    the median wait in ``next()`` over batches ``steady_from``.. of the epoch. ``steady_wait_s``
+    pools the steady waits of all epochs; ``boundary_ratio_eK`` = epoch K's first wait / it.
+    ``first_batch_sums``: per epoch, the sum of element [0, 0] of each sample of its first batch
+    (a sample is a function of its index): equal across transports = the same shuffled order."""
+    prm = p.params
+    n_epochs, per_epoch, step_s = prm["epochs"], prm["epoch_batches"], prm["step_s"]
+    steady_from = prm["steady_from"]
+
+    def drive(loader, t0, note_children) -> dict:
+        first, steady_med, steady_all, epoch_s, sums = [], [], [], [], []
+        batch = None
+        for e in range(n_epochs):
+            te = time.perf_counter()
+            it = iter(loader)
+            waits = []
+            while True:
+                t1 = time.perf_counter()
+                try:
+                    batch = next(it)
+                except StopIteration:
+                    break
+                waits.append(time.perf_counter() - (te if not waits else t1))
+                if len(waits) == 1:
+                    sums.append(float(batch[:, 0, 0].sum()))
+                    if e == 0:
+                        note_children()
+                time.sleep(step_s)  # the train step, the batch held (as a for loop holds it)
+            epoch_s.append(time.perf_counter() - te)
+            if len(waits) != per_epoch:
+                raise RuntimeError(f"{t.name} on {p.key}: epoch {e + 1} gave {len(waits)} of "
+                                   f"{per_epoch} batches")
+            first.append(waits[0])
+            steady_med.append(stats.median(waits[steady_from:]))
+            steady_all += waits[steady_from:]
+            del it
+        del batch
+        total = time.perf_counter() - t0
+        steady = stats.median(steady_all)
+        out = {
+            "s_per_batch": total / (n_epochs * per_epoch),
+            "total_s": total,
+            "steady_wait_s": steady,
+            "first_waits_s": first,
+            "epoch_steady_waits_s": steady_med,
+            "epoch_s": epoch_s,
+            "first_batch_sums": sums,
+        }
+        for k, w in enumerate(first[:3], 1):
+            out[f"first_wait_e{k}_s"] = w
+            if k > 1 and steady > 0:
+                out[f"boundary_ratio_e{k}"] = w / steady
+        return out
+
+    return _run_driven(t, p, watch, dataset, drive)
+
+
+def run_rows(t: Transport, p: Point, watch: MemWatch, dataset=None) -> dict:
+    """``rows``: ``warmup + batches`` batches, a ``params["step_s"]`` sleep after each.
+
+    - ``first_batch_s``: from the ``iter()`` call to the first batch in hand;
+    - ``s_per_batch``: the steady state as seed001 times it: the wall time of the ``batches``
+      after the first ``warmup`` over their number (the mean of their per-batch times), the figure
+      the work bound applies to;
+    - ``median_s_per_batch``: the median of those per-batch times (end of the previous step to
+      the end of its own). Batches come in bursts (workers that started together finish
+      together), so the median can sit at the step time while the mean is above the bound: the
+      median is not a throughput;
+    - ``total_s``: from ``iter()`` to the end of the last batch's step."""
+    step_s, total_n = p.params["step_s"], p.warmup + p.batches
+
+    def drive(loader, t0, note_children) -> dict:
+        ends: list[float] = []
+        ttfb = None
+        ti = time.perf_counter()
+        it = iter(loader)
+        for batch in it:
+            if ttfb is None:
+                ttfb = time.perf_counter() - ti
+                note_children()
+            time.sleep(step_s)
+            del batch
+            ends.append(time.perf_counter())
+            if len(ends) == total_n:
+                break
+        del it
+        if len(ends) < total_n:
+            raise RuntimeError(f"{t.name} on {p.key}: the loader ended after {len(ends)} of "
+                               f"{total_n} batches")
+        per = [b - a for a, b in zip([ti, *ends[:-1]], ends)]
+        timed = per[p.warmup:]
+        mean = sum(timed) / len(timed)
+        return {
+            "s_per_batch": mean,
+            "median_s_per_batch": stats.median(timed),
+            "first_batch_s": ttfb,
+            "ttfb_s": ttfb + (ti - t0),  # from the loader's construction, as the others
+            "total_s": ends[-1] - ti,
+            "gbps": p.batch_bytes / mean / 1e9,
+            "batch_s": per,
+        }
+
+    return _run_driven(t, p, watch, dataset, drive)
+
+
 def run_memcpy(t: Transport, p: Point) -> dict:
     s = time_memcpy(p.batch_bytes, t.threads)
     return {"s_per_batch": s, "gbps": p.batch_bytes / s / 1e9}
 
 
 def run_once(t: Transport, p: Point, watch: MemWatch, dataset=None) -> dict:
+    if p.workload == "epochs":
+        return run_epochs(t, p, watch, dataset)
+    if p.workload == "rows":
+        return run_rows(t, p, watch, dataset)
     if t.is_loader:
         return run_loader(t, p, watch, dataset)
     return run_memcpy(t, p)

@@ -292,10 +292,140 @@ def seed_table(doc: dict, items: str = "large") -> str:
     return "\n".join(out)
 
 
+# ---------------------------------------------------------------------------------------------
+# the mode workloads: epochs, rows
+
+
+def _per_repeat_ratio(a: dict[int, float], b: dict[int, float]) -> str:
+    return _cell(stats.paired_ratios(a, b), ".2f", "x")
+
+
+def _skipped_lines(p: dict) -> list[str]:
+    return [f"  {tn} skipped: {t['skipped']}" for tn, t in p["transports"].items()
+            if "skipped" in t]
+
+
+def epochs_table(doc: dict) -> str:
+    """Per epochs point: per transport the first waits of epochs 1, 2, 3, the steady wait, the
+    total, and each boundary's first wait over the steady wait, median [min-max] over repeats."""
+    out = []
+    n = doc["config"].get("repeats", 1)
+    for p in [p for p in doc["points"] if p["workload"] == "epochs"]:
+        prm = p.get("params", {})
+        shape = "x".join(str(d) for d in prm.get("shape", ()))
+        out.append(
+            f"epochs (map-style, {shape} float32 samples after {1e3 * prm.get('fetch_s', 0):g} ms, "
+            f"batch {p['batch_size']}, {p['num_workers']} workers, persistent, shuffled; "
+            f"{prm.get('epochs')} epochs x {prm.get('epoch_batches')} batches, "
+            f"{prm.get('step_s')} s step): median [min-max] of {n} run(s)")
+        rows = []
+        for tn, t in p["transports"].items():
+            if "skipped" in t:
+                continue
+            reps = t["repeats"]
+
+            def col(m: str, scale: float = 1e3, fmt: str = ".1f", reps=reps) -> str:
+                return _cell([v * scale for v in stats.per_repeat(reps, m).values()], fmt)
+
+            steady = stats.per_repeat(reps, "steady_wait_s")
+            rows.append([
+                tn, col("first_wait_e1_s"), col("first_wait_e2_s"), col("first_wait_e3_s"),
+                col("steady_wait_s", fmt=".2f"), col("total_s", 1.0, ".2f"),
+                _per_repeat_ratio(stats.per_repeat(reps, "first_wait_e2_s"), steady),
+                _per_repeat_ratio(stats.per_repeat(reps, "first_wait_e3_s"), steady),
+            ])
+        out.append(_table(rows, ["transport", "e1 first wait ms", "e2 first wait ms",
+                                 "e3 first wait ms", "steady wait ms", "total s",
+                                 "e2 first / steady", "e3 first / steady"]))
+        out.append("  (first wait: iter() -> batch 0 of the epoch in hand; steady wait: median "
+                   f"time in next() for batches {prm.get('steady_from')}.. of every epoch)")
+        orders = {tn: {tuple(r.get("first_batch_sums", ())) for r in t["repeats"]}
+                  for tn, t in p["transports"].items() if "skipped" not in t}
+        ref = orders.get("torch-shm")
+        if ref is not None:
+            same = [tn for tn, o in orders.items() if tn != "torch-shm" and o == ref]
+            differ = [tn for tn, o in orders.items() if tn != "torch-shm" and o != ref]
+            if same:
+                out.append(f"  same shuffled order as torch-shm in every epoch: {', '.join(same)}")
+            if differ:
+                out.append(f"  ORDER DIFFERS from torch-shm (first batch of an epoch): "
+                           f"{', '.join(differ)}")
+        out += _skipped_lines(p)
+        out.append("")
+    return "\n".join(out).rstrip()
+
+
+def rows_table(doc: dict) -> str:
+    """Per rows point: per transport time to first batch, steady s/batch, total, peak memory,
+    and TTFB and memory over torch-shm's, steady s/batch over the work bound (paired per
+    repeat), median [min-max]."""
+    out = []
+    n = doc["config"].get("repeats", 1)
+    bounds = doc.get("work_bound", {}).get("by_point", {})
+    for p in [p for p in doc["points"] if p["workload"] == "rows"]:
+        prm = p.get("params", {})
+        shape = "x".join(str(d) for d in prm.get("shape", ()))
+        bound = bounds.get(p["key"])
+        out.append(
+            f"rows (seed001 map-style: {shape} float64 items, batch {p['batch_size']}, "
+            f"default_collate, {p['num_workers']} workers, {prm.get('step_s')} s step, "
+            f"{p['warmup']} + {p['batches']} batches): median [min-max] of {n} run(s); "
+            + (f"work bound {bound:.3f} s/batch" if bound else "no work bound"))
+        ref = p["transports"].get("torch-shm", {}).get("repeats", [])
+        ref_ttfb = stats.per_repeat(ref, "first_batch_s")
+        ref_mem = stats.per_repeat(ref, "peak_mem_bytes")
+        rows, undersampled = [], []
+        for tn, t in p["transports"].items():
+            if "skipped" in t:
+                continue
+            reps = t["repeats"]
+            ttfb = stats.per_repeat(reps, "first_batch_s")
+            mem = stats.per_repeat(reps, "peak_mem_bytes")
+            sb = stats.per_repeat(reps, "s_per_batch")
+            shm = stats.per_repeat(reps, "peak_shm_bytes")
+            if any(shm.get(k, 0) > v for k, v in mem.items()):
+                undersampled.append(tn)
+            rows.append([
+                tn, _cell(list(ttfb.values()), ".3f"), _cell(list(sb.values()), ".3f"),
+                _cell(list(stats.per_repeat(reps, "median_s_per_batch").values()), ".3f"),
+                _cell(list(stats.per_repeat(reps, "total_s").values()), ".2f"),
+                _cell([v / (1 << 20) for v in mem.values()], ".0f"),
+                _cell([v / (1 << 20) for v in shm.values()], ".0f"),
+                "" if tn == "torch-shm" else _per_repeat_ratio(ttfb, ref_ttfb),
+                "" if tn == "torch-shm" else _per_repeat_ratio(mem, ref_mem),
+                _per_repeat_ratio(sb, {k: bound for k in sb}) if bound else "-",
+            ])
+        out.append(_table(rows, ["transport", "TTFB s", "steady s/batch", "median s/batch",
+                                 "total s", "peak mem MiB", "peak shm MiB", "TTFB / torch-shm",
+                                 "mem / torch-shm", "steady / bound"]))
+        out.append(f"  (TTFB: iter() -> first batch; steady: wall time of the {p['batches']} "
+                   f"batches after the first {p['warmup']} over their number, step included, as "
+                   "seed001 is timed; median: of those batches' own times (bursty: not a "
+                   "throughput); total: iter() -> end of the last step; peak mem: PSS of main + "
+                   "workers + /dev/shm above the start, shm: /dev/shm alone; x / y < 1: x is "
+                   "lower)")
+        ns = [r.get("pss_samples") for t in p["transports"].values()
+              for r in t.get("repeats", []) if r.get("pss_samples")]
+        if ns:
+            out.append(f"  bench.memwatch took {min(ns)}-{max(ns)} PSS samples per run (one every "
+                       "20x the time a sample takes: smaps_rollup of processes mapping GBs is "
+                       "slow; nice 19); /dev/shm every 5 ms")
+        if undersampled:
+            out.append(f"  peak mem below peak shm for {', '.join(undersampled)}: PSS was not "
+                       "sampled at that peak; their peak mem is a lower bound")
+        out += _skipped_lines(p)
+        out.append("")
+    return "\n".join(out).rstrip()
+
+
 def format_report(doc: dict) -> str:
     out = [f"machine: {machine_line(doc['machine'])}", f"command: {doc['command']}", ""]
     for items in ("large", "small"):
         t = seed_table(doc, items)
+        if t:
+            out += [t, ""]
+    for table in (epochs_table, rows_table):
+        t = table(doc)
         if t:
             out += [t, ""]
     wl_order = ("seed001", "transport", "small", "vision")

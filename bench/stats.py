@@ -17,6 +17,16 @@ METRICS = {
     "warmup_s": "lower",  # first batch -> end of the untimed batches (one-time costs)
     "peak_mem_bytes": "lower",  # PSS of main + workers (shm excluded) + /dev/shm used, minus baseline
     "peak_shm_bytes": "lower",  # /dev/shm in use, minus baseline
+    # the mode workloads (epochs, rows)
+    "total_s": "lower",  # epochs: loader construction -> end of the last epoch; rows: iter() -> end
+    "first_batch_s": "lower",  # rows: iter() -> first batch in hand
+    "median_s_per_batch": "lower",  # rows: median per-batch time of the timed batches
+    "first_wait_e1_s": "lower",  # epochs: iter() -> first batch of epoch 1 (workers start)
+    "first_wait_e2_s": "lower",  # ... of epoch 2 (persistent workers)
+    "first_wait_e3_s": "lower",  # ... of epoch 3
+    "steady_wait_s": "lower",  # epochs: median wait in next() for batches 3.. of every epoch
+    "boundary_ratio_e2": "lower",  # epochs: first_wait_e2_s / steady_wait_s
+    "boundary_ratio_e3": "lower",  # epochs: first_wait_e3_s / steady_wait_s
 }
 
 

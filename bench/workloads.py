@@ -15,6 +15,21 @@ Workloads
                batch, or reads every byte.
 ``small``      4 KiB batches (32 samples of 128 B): the control path dominates.
 ``vision``     dict samples ``{"image": uint8 (3,224,224), "label": int, "name": str}``, batch 64.
+``epochs``     the epoch boundary: a map-style dataset of float32 (1000, 150) samples after a 3 ms
+               sleep, batch 32, ``shuffle=True`` with a seeded ``torch.Generator``,
+               ``persistent_workers=True``, 3 epochs of 20 batches on one loader, a 0.05 s train
+               step after each batch; what is measured is the wait in ``next()`` (the first
+               batch of each epoch, from the ``iter()`` call, against the steady batches).
+``rows``       the forum workload made map-style (:class:`SeedMapDataset`: ``sleep(0.003125)``
+               then ``np.random.random((1000, 150))``, float64 as posted), batch 128,
+               ``default_collate``, 8 workers, a 0.05 s train step, 5 + 16 batches as seed001 is
+               timed: time to first batch, steady s/batch, total, peak memory, against the work
+               bound. For the sample-parallel mode (the samples of one batch spread over all
+               workers).
+
+``epochs`` and ``rows`` are *mode* workloads: they compare loader modes, run only where named
+(``-w epochs,rows`` or ``-w all``; not in ``--quick`` without ``-w``), with their own transports
+(``MODE_TRANSPORTS``) and their own tables.
 """
 
 from __future__ import annotations
@@ -130,6 +145,49 @@ def vision_numpy_collate(samples):
 
 
 # ---------------------------------------------------------------------------------------------
+# epochs / rows: map-style datasets with slow samples
+
+EPOCHS_FETCH_S = 0.003  # per sample
+EPOCHS_SHAPE = (1000, 150)
+EPOCHS_BATCH = 32
+EPOCHS_N = 3  # epochs per run (one loader, persistent workers)
+EPOCHS_BATCHES = 20  # per epoch
+EPOCHS_SEED = 1234  # the sampler's torch.Generator: every transport sees the same order
+EPOCHS_STEADY_FROM = 3  # the steady wait: batches 3.. of each epoch (0-based)
+
+
+class SlowMapDataset(Dataset):
+    """``length`` samples of ``shape`` float32 after ``fetch_s`` of sleep; sample ``i`` is
+    the same array in every run and every loader (its own seeded generator)."""
+
+    def __init__(self, length: int, shape=EPOCHS_SHAPE, fetch_s: float = EPOCHS_FETCH_S):
+        self.length, self.shape, self.fetch_s = length, tuple(shape), fetch_s
+
+    def __len__(self):
+        return self.length
+
+    def __getitem__(self, i):
+        time.sleep(self.fetch_s)
+        return np.random.default_rng(i).random(self.shape, dtype=np.float32)
+
+
+class SeedMapDataset(Dataset):
+    """seed001's items behind ``__getitem__``: ``sleep(0.003125)`` then
+    ``np.random.random(shape)`` (float64, as posted), so the per-batch work is seed001's and its
+    work bound applies."""
+
+    def __init__(self, length: int, shape=SEED_SHAPES["large"]):
+        self.length, self.shape = length, tuple(shape)
+
+    def __len__(self):
+        return self.length
+
+    def __getitem__(self, i):
+        time.sleep(SEED_FETCH_S)  # simulates data fetch time
+        return np.random.random(self.shape)
+
+
+# ---------------------------------------------------------------------------------------------
 # points
 
 
@@ -159,6 +217,11 @@ class Point:
             return PremadeDataset(self.batch_bytes // self.batch_size, n, distinct=self.batch_size)
         if self.workload == "vision":
             return VisionDataset(n)
+        if self.workload == "epochs":
+            return SlowMapDataset(self.params["epoch_batches"] * self.batch_size,
+                                  self.params["shape"], self.params["fetch_s"])
+        if self.workload == "rows":
+            return SeedMapDataset(n, self.params["shape"])
         raise ValueError(f"unknown workload {self.workload!r}")
 
     def collate(self, kind: str):
@@ -175,12 +238,22 @@ class Point:
             "transport": stack_collate,
             "small": stack_collate,
             "vision": vision_numpy_collate,
+            "epochs": np_stack_collate,
+            "rows": np_stack_collate,
         }[self.workload]
 
     def loader_kwargs(self) -> dict:
         kw: dict = {"batch_size": self.batch_size, "num_workers": self.num_workers}
         if self.workload == "seed001" and self.num_workers > 0:
             kw.update(prefetch_factor=4, persistent_workers=True)
+        if self.workload == "rows" and self.num_workers > 0:
+            kw.update(prefetch_factor=4, persistent_workers=True)  # as seed001
+        if self.workload == "epochs":
+            import torch
+
+            kw.update(shuffle=True, generator=torch.Generator().manual_seed(self.params["seed"]))
+            if self.num_workers > 0:
+                kw.update(persistent_workers=True)
         return kw
 
     @property
@@ -266,5 +339,37 @@ def vision_points(workers=(2,), consumers=("touch", "read"), quick=False):
     ]
 
 
+def epochs_points(workers=(4,), quick=False):
+    """The epoch-boundary workload: one point per worker count; ``batches`` counts all epochs."""
+    if quick:
+        shape, batch, per_epoch, step_s, fetch_s = (10, 150), 8, 6, 0.01, 0.002
+    else:
+        shape, batch, per_epoch = EPOCHS_SHAPE, EPOCHS_BATCH, EPOCHS_BATCHES
+        step_s, fetch_s = SEED_STEP_S, EPOCHS_FETCH_S
+    nbytes = batch * int(np.prod(shape)) * 4
+    return [
+        Point("epochs", f"b{batch}", batch, nbytes, w, "step", 0, EPOCHS_N * per_epoch,
+              {"epochs": EPOCHS_N, "epoch_batches": per_epoch, "shape": shape,
+               "fetch_s": fetch_s, "step_s": step_s, "seed": EPOCHS_SEED,
+               "steady_from": EPOCHS_STEADY_FROM, "dtype": "float32"})
+        for w in workers
+    ]
+
+
+def rows_points(workers=(8,), quick=False, batches=16, warmup=5):
+    """The sample-parallel workload: seed001's items map-style, timed as seed001 (5 + 16)."""
+    items = "small" if quick else "large"
+    shape = SEED_SHAPES[items]
+    batch = 32 if quick else SEED_BATCH
+    step_s = 0.01 if quick else SEED_STEP_S
+    nbytes = batch * int(np.prod(shape)) * 8
+    return [
+        Point("rows", items, batch, nbytes, w, "step", warmup, batches,
+              {"items": items, "shape": shape, "step_s": step_s, "dtype": "float64"})
+        for w in workers
+    ]
+
+
 WORKLOADS = ("seed001", "transport", "small", "vision")
+MODE_WORKLOADS = ("epochs", "rows")  # only where named (or -w all): see the module docstring
 DEFAULT_SIZES = (1 * MiB, 16 * MiB, 64 * MiB, 256 * MiB)
