@@ -324,6 +324,11 @@ class _Worker:
                 self.channel.send(Resumed(message.epoch))
             elif kind is Stop:
                 return
+            elif kind in (protocol.Learn, protocol.Schema, protocol.Rows):
+                from .sample_parallel import worker_handle  # NOTE there
+
+                worker_handle(self, message, fds)
+                self._enter(IDLE)
             else:
                 raise SlotProtocolError(f"worker {self.spec.worker_id} got unexpected message {message!r:.200}")
 

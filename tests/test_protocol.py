@@ -30,6 +30,10 @@ EXAMPLES = [
     protocol.State(0, 3, {"fetcher": 1}),
     protocol.Resumed(3),
     protocol.Fatal("running worker_init_fn", ("ValueError", "x", "tb")),
+    protocol.Learn(0, 0, 128, 17),
+    protocol.Schema(0, 0, b"schema"),
+    protocol.Rows(0, 3, 2, 1, 1 << 20, 128, 32, [4, 5, 6]),
+    protocol.RowsDone(0, 3, 16),
 ]
 
 
