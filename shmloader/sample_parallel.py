@@ -72,7 +72,18 @@ from . import rows, torch_private
 from .errors import LoaderBrokenError, LoaderTimeoutError, SlotProtocolError
 from .loader import POLL_SECONDS, LoaderStats, _Failure
 from .pool import Poller, WorkerPool
-from .protocol import FETCHING, IDLE, LAYING_OUT, WRITING, Failed, Fatal, Learn, Rows, RowsDone, Schema
+from .protocol import (
+    FETCHING,
+    IDLE,
+    LAYING_OUT,
+    WRITING,
+    Failed,
+    Fatal,
+    Learn,
+    Rows,
+    RowsDone,
+    Schema,
+)
 from .ring import CONSUMER_SLOTS
 from .scheduler import SlotScheduler
 from .segment import create_segment, slot_capacity
