@@ -179,7 +179,8 @@ class _RowsWorker:
 
     def rows(self, worker, message: Rows, fds: list[int]) -> None:
         epoch, idx, slot, generation, capacity, size, first_row, indices = message
-        segment = worker._attach(slot, generation, capacity, fds)  # a mismatch is a protocol error
+        # Not populated: this worker writes a few rows of it (a mismatch is a protocol error).
+        segment = worker._attach(slot, generation, capacity, fds, populate=False)
         stage, row = worker.stage, first_row
         try:
             if worker.init_error is not None:
@@ -313,8 +314,9 @@ class SampleParallelIter(torch_private.BaseDataLoaderIter):
         self._exhausted = False
         self._fill()
 
-    def _fill(self) -> None:
-        """Draw batches up to the in-flight depth and send what can be sent."""
+    def _fill(self, create: bool = True) -> None:
+        """Draw batches up to the in-flight depth and send what can be sent (without `create`,
+        only into slots that have a segment: making one waits until the loop must wait anyway)."""
         while not self._exhausted and len(self._flight) < self._depth:
             try:
                 index = self._next_index()
@@ -325,9 +327,9 @@ class SampleParallelIter(torch_private.BaseDataLoaderIter):
             self._flight[(batch.epoch, batch.idx)] = batch
             self._queue.append(batch)
             self._send_idx += 1
-        self._dispatch()
+        self._dispatch(create)
 
-    def _dispatch(self) -> None:
+    def _dispatch(self, create: bool = True) -> None:
         while self._queue:
             batch = self._queue[0]
             if self._schemas is None:
@@ -336,20 +338,23 @@ class SampleParallelIter(torch_private.BaseDataLoaderIter):
                     self._send(batch.idx % self._num_workers,
                                Learn(batch.epoch, batch.idx, len(batch.indices), batch.indices[0]))
                 return
-            if not self._claim_slot(batch):
+            if not self._claim_slot(batch, create):
                 return
             self._queue.pop(0)
             self._send_rows(batch)
 
-    def _claim_slot(self, batch: _Batch) -> bool:
-        """Give `batch` a slot of the right size, claimed for it; False if none can be had now."""
+    def _claim_slot(self, batch: _Batch, create: bool = True) -> bool:
+        """Give `batch` a slot of the right size, claimed for it; False if none can be had now
+        (or, without `create`, none that has a segment already)."""
         ring = self._ring
         self._scheduler.replenish()
+        if not create and not ring.has_free_created_slot():
+            return False
         if not ring.can_take():
             if not any(b.slot is not None and not b.done for b in self._flight.values()):
                 ring.make_room()  # nothing in flight to wait for: a user's cap (RingFullError)
             return False
-        slot = ring.take_free_slot()
+        slot = ring.take_free_slot(created_only=not create)
         generation, capacity, hint = ring.task_geometry(slot)
         needed = self._schemas.get(len(batch.indices)).total_bytes
         try:
@@ -474,18 +479,21 @@ class SampleParallelIter(torch_private.BaseDataLoaderIter):
         while True:
             self._scheduler.replenish()
             self._read(0)
-            self._fill()
             key = (self._epoch, self._rcvd_idx)
+            batch = self._flight.get(key)
+            if batch is not None and batch.done:
+                del self._flight[key]
+                self._rcvd_idx += 1
+                self._fill(create=False)  # the next batches go on; new segments can wait
+                return batch
+            self._fill()
             batch = self._flight.get(key)
             if batch is None and self._exhausted:
                 if not self._persistent_workers:
                     self._shutdown_workers()
                 raise StopIteration
             if batch is not None and batch.done:
-                del self._flight[key]
-                self._rcvd_idx += 1
-                self._fill()
-                return batch
+                continue
             wait = POLL_SECONDS if deadline is None else max(0.0, min(POLL_SECONDS, deadline - time.monotonic()))
             if not self._read(wait) and deadline is not None and time.monotonic() >= deadline:
                 raise LoaderTimeoutError(
