@@ -9,9 +9,10 @@ NOTE [ Samples of one batch over the workers ]
 
     1. takes a free ring slot, making its segment here (the schema's total bytes) when it has
        none or a too-small one, and claims it (FREE -> WRITING, csrc/ring.h) for the batch;
-    2. splits the batch's rows into contiguous chunks, one per worker (batch n's first chunk to
-       worker n % num_workers, the next to the next worker; fewer chunks than workers for a
-       batch smaller than num_workers), and sends each worker a Rows message (protocol.py; the
+    2. splits the batch's rows into contiguous chunks, one per worker (chunk j to worker j, so
+       that a worker writes the same rows of every slot and touches only those pages of it; for
+       a batch smaller than num_workers, fewer chunks, batch n's first to worker n % num_workers,
+       the next to the next worker), and sends each worker a Rows message (protocol.py; the
        slot's fd the first time that worker sees that segment);
     3. each worker fetches its samples one by one, writes each straight to its row of the slot
        (rows.write_row, NOTE [ Rows of one batch ] in rows.py) and reports RowsDone, or Failed
@@ -26,7 +27,7 @@ NOTE [ Samples of one batch over the workers ]
        ever delivered.
 
   The schema.  Before the first batch can be given a slot, the batch's layout must be known:
-  worker n % num_workers fetches row 0 of batch n (seeded as that row), learns the RowSchema
+  the worker that gets row 0 of batch n (_first_worker) fetches it (seeded as that row), learns the RowSchema
   from it (rows.learn_schema) and sends it back (Schema); it keeps the sample and writes it as
   its row 0 later, so it is not fetched twice.  The main process sends the schema to every
   worker; a short batch uses `schema.resized(k)` on both sides.  If fetching that sample raises,
@@ -113,6 +114,11 @@ def check_loader(loader) -> None:
 def refuse_state(what: str) -> None:
     raise ValueError(f"{what} is not supported with sample_parallel=True yet: {_USE_DEFAULT} to save "
                      "and resume a loader mid-epoch")
+
+
+def _first_worker(idx: int, size: int, num_workers: int) -> int:
+    """The worker of batch `idx`'s first chunk (NOTE above): 0, or turns for a small batch."""
+    return 0 if size >= num_workers else idx % num_workers
 
 
 def _chunks(size: int, parts: int) -> list[tuple[int, int]]:
@@ -335,7 +341,7 @@ class SampleParallelIter(torch_private.BaseDataLoaderIter):
             if self._schemas is None:
                 if self._learning is None:
                     self._learning = (batch.epoch, batch.idx)
-                    self._send(batch.idx % self._num_workers,
+                    self._send(_first_worker(batch.idx, len(batch.indices), self._num_workers),
                                Learn(batch.epoch, batch.idx, len(batch.indices), batch.indices[0]))
                 return
             if not self._claim_slot(batch, create):
@@ -382,8 +388,9 @@ class SampleParallelIter(torch_private.BaseDataLoaderIter):
         size = len(batch.indices)
         chunks = _chunks(size, self._num_workers)
         batch.left = len(chunks)
+        first = _first_worker(batch.idx, size, self._num_workers)
         for j, (lo, hi) in enumerate(chunks):
-            worker_id = (batch.idx + j) % self._num_workers
+            worker_id = (first + j) % self._num_workers
             batch.first_row[worker_id] = lo
             self._send(worker_id, Rows(batch.epoch, batch.idx, slot, generation, capacity, size, lo,
                                        batch.indices[lo:hi]), self._scheduler.fds_for(worker_id, slot))
