@@ -123,6 +123,11 @@ class ShmDataLoader(DataLoader[_T_co]):
     slot_bytes: initial size of each ring slot; by default learnt from the first batch (its size
         rounded to pages).  A batch larger than its slot grows that slot (1/8 headroom, at least
         1.5 × its size); nothing is ever written past a slot.
+    sample_parallel: spread the samples of each batch over all the workers, which write their
+        rows straight into the batch's slot (map-style datasets with the default collate_fn
+        only): a far shorter time to the first batch and a ring of a few slots.  The same
+        batches in the same order; per-sample seeding instead of per-worker.  See NOTE
+        [ Samples of one batch over the workers ] in sample_parallel.py.
     max_ring_slots, max_ring_bytes: a cap on the shared-memory segments alive at once (the
         ring's and those of batches the training loop holds), only if you want one; past it,
         RingFullError.  By default held batches take what they need, as with torch
@@ -138,7 +143,8 @@ class ShmDataLoader(DataLoader[_T_co]):
                  worker_init_fn=None, multiprocessing_context=None, generator=None, *,
                  prefetch_factor=None, persistent_workers=False, pin_memory_device="",
                  in_order=True, slot_bytes: int | None = None, max_ring_slots: int | None = None,
-                 max_ring_bytes: int | None = None, prefetch_next_epoch: bool = True):
+                 max_ring_bytes: int | None = None, prefetch_next_epoch: bool = True,
+                 sample_parallel: bool = False):
         for name, value, least in (("slot_bytes", slot_bytes, 1), ("max_ring_slots", max_ring_slots, 1),
                                    ("max_ring_bytes", max_ring_bytes, 1)):
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < least):
@@ -156,6 +162,11 @@ class ShmDataLoader(DataLoader[_T_co]):
         self.max_ring_slots = max_ring_slots
         self.max_ring_bytes = max_ring_bytes
         self.prefetch_next_epoch = bool(prefetch_next_epoch)
+        self.sample_parallel = sample_parallel
+        if sample_parallel:
+            from .sample_parallel import check_loader
+
+            check_loader(self)  # a clear error now for what this mode cannot do
         self._last_iterator: weakref.ref | None = None
         self._final_stats: LoaderStats | None = None
         self._timing = timing_enabled()  # NOTE [ Stage clocks ] in timing.py
@@ -169,7 +180,12 @@ class ShmDataLoader(DataLoader[_T_co]):
         if self.num_workers == 0:
             return state.SingleProcessIter(self)  # in-process (torch's, resumable): nothing to transport
         self.check_worker_number_rationality()
-        iterator = _ShmLoaderIter(self)
+        if self.sample_parallel:
+            from .sample_parallel import SampleParallelIter
+
+            iterator = SampleParallelIter(self)
+        else:
+            iterator = _ShmLoaderIter(self)
         self._last_iterator = weakref.ref(iterator)
         return iterator
 
@@ -177,11 +193,19 @@ class ShmDataLoader(DataLoader[_T_co]):
         """Where the loader is in its epoch, to resume there later with load_state_dict(), in this
         process or another (torchdata's StatefulDataLoader contract; NOTE [ Resuming mid-epoch ]
         in state.py).  Before any iteration it starts the iterator that the next iter() uses."""
+        if self.sample_parallel and self.num_workers > 0:
+            from .sample_parallel import refuse_state
+
+            refuse_state("state_dict()")
         return state.loader_state_dict(self)
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Make the next iter() resume from `state_dict` (from state_dict() of a loader built with
         the same arguments); a state it cannot resume from is a ValueError saying why."""
+        if self.sample_parallel and self.num_workers > 0:
+            from .sample_parallel import refuse_state
+
+            refuse_state("load_state_dict()")
         state.load_loader_state(self, state_dict)
 
     def stats(self) -> LoaderStats | None:

@@ -15,6 +15,11 @@ version (a spawned interpreter that imports another shmloader) refuses to start,
     Resume(epoch)                                Resumed(epoch)
     Stop()                                       Fatal(stage, exception payload)
     Rewind(epoch, idx)
+  sample_parallel=True (sample_parallel.py):
+    Learn(epoch, idx, size, index)               Schema(epoch, idx, schema bytes)
+    Schema(epoch, idx, schema bytes)             RowsDone(epoch, idx, count)
+    Rows(epoch, idx, slot, generation, capacity,       (a failing row: Failed, as above)
+         size, first_row, indices) [+ fd the first time it sees the slot's generation]
 
 NOTE [ Status board ]
   One shared segment, made by the main process and mapped by every worker (its fd comes with
@@ -131,8 +136,48 @@ class Fatal(NamedTuple):
     payload: tuple
 
 
+# -- sample_parallel=True (NOTE [ Samples of one batch over the workers ] in sample_parallel.py) --
+
+class Learn(NamedTuple):
+    """Fetch sample `index` as row 0 of batch `idx` (of `size` rows), learn the batch's row
+    schema from it, send it back (Schema) and keep the sample for the Rows that asks for it."""
+    epoch: int
+    idx: int
+    size: int
+    index: Any
+
+
+class Schema(NamedTuple):
+    """A RowSchema's bytes: worker -> main, learnt from row 0 of batch `idx`; main -> worker,
+    the schema every Rows message of this iterator uses."""
+    epoch: int
+    idx: int
+    schema: bytes
+
+
+class Rows(NamedTuple):
+    """Fetch `indices` as rows first_row.. of batch `idx` (of `size` rows) and write each into
+    `slot` (claimed by the main process), then report RowsDone (or Failed at the first bad row)."""
+    epoch: int
+    idx: int
+    slot: int
+    generation: int
+    capacity: int
+    size: int
+    first_row: int
+    indices: Any
+
+
+class RowsDone(NamedTuple):
+    """`count` rows of batch `idx` are written in its slot."""
+    epoch: int
+    idx: int
+    count: int
+
+
 MESSAGES: tuple[type, ...] = (Hello, Task, Grant, Forget, Resume, Stop,
-                              Ready, Failed, End, State, Resumed, Fatal, Rewind)
+                              Ready, Failed, End, State, Resumed, Fatal, Rewind,
+                              Learn, Schema, Rows, RowsDone)
 _TAG = {kind: tag for tag, kind in enumerate(MESSAGES)}
 
 

@@ -43,8 +43,10 @@ class SlotScheduler:
     are started `pinner` page-locks slots for pin_memory (cuda.SlotPinner) or is None."""
 
     def __init__(self, num_workers: int, prefetch_factor: int, send=None, *, slot_bytes=None,
-                 max_slots=None, max_bytes=None, pinner=None):
-        self.ring = Ring(prefetch_factor * num_workers + CONSUMER_SLOTS, slot_bytes, max_slots, max_bytes)
+                 max_slots=None, max_bytes=None, pinner=None, depth=None):
+        if depth is None:  # NOTE [ Ring size ] in ring.py; sample_parallel.py asks for fewer
+            depth = prefetch_factor * num_workers + CONSUMER_SLOTS
+        self.ring = Ring(depth, slot_bytes, max_slots, max_bytes)
         self.send = send
         self._pinner = pinner
         self._release = self.ring.release_callback()
@@ -84,8 +86,27 @@ class SlotScheduler:
         if not deliver:
             ring.unassign(slot)
             return None
-        lease, descriptor, payload_end = ring.lease(slot, message.idx, self._release)
+        return self.deliver(slot, message.idx)
+
+    def deliver(self, slot: int, idx: int):
+        """Lease a READY slot holding batch `idx` and read the batch from it (views on the slot)."""
+        lease, descriptor, payload_end = self.ring.lease(slot, idx, self._release)
         return layout.read_batch(lease, descriptor, payload_end)
+
+    def fds_for(self, worker_id: int, slot: int) -> tuple[int, ...]:
+        """The slot's fd if `worker_id` does not map its current generation yet (it will, once
+        sent), else nothing."""
+        generation, capacity, _ = self.ring.task_geometry(slot)
+        known = self._known_generation[worker_id]
+        if capacity and known.get(slot) != generation:
+            known[slot] = generation
+            return (self.ring.fd(slot),)
+        return ()
+
+    def pin(self, segment) -> None:
+        """Page-lock a new slot segment for pin_memory (once per segment), if pinning."""
+        if self._pinner is not None:
+            self._pinner.pin(segment)
 
     # -- granting ------------------------------------------------------------------------------------
 
@@ -113,15 +134,11 @@ class SlotScheduler:
 
     def _grant(self, worker_id: int, created_only: bool = False) -> None:
         ring = self.ring
-        known = self._known_generation[worker_id]
-        slot = ring.take_free_slot(prefer=known, created_only=created_only)
+        slot = ring.take_free_slot(prefer=self._known_generation[worker_id], created_only=created_only)
         generation, capacity, hint = ring.task_geometry(slot)
-        if capacity and self._pinner is not None:
-            self._pinner.pin(ring.segment(slot))  # a segment made ahead (spares.py): once each
-        fds: tuple[int, ...] = ()
-        if capacity and known.get(slot) != generation:
-            fds = (ring.fd(slot),)
-            known[slot] = generation
+        if capacity:
+            self.pin(ring.segment(slot))  # a segment made ahead (spares.py): once each
+        fds = self.fds_for(worker_id, slot)
         self.send(worker_id, Grant(slot, generation, capacity, hint), fds)
         self._grants[worker_id].add(slot)
 

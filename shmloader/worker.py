@@ -332,15 +332,21 @@ class _Worker:
                 self.channel.send(Resumed(message.epoch))
             elif kind is Stop:
                 return
+            elif kind in (protocol.Learn, protocol.Schema, protocol.Rows):
+                from .sample_parallel import worker_handle  # NOTE there
+
+                worker_handle(self, message, fds)
+                self._enter(IDLE)
             else:
                 raise SlotProtocolError(f"worker {self.spec.worker_id} got unexpected message {message!r:.200}")
 
-    def _attach(self, slot: int, generation: int, capacity: int, fds: list[int]):
-        """The worker's mapping of `slot`, checked against what the main process says it is."""
+    def _attach(self, slot: int, generation: int, capacity: int, fds: list[int], populate: bool = True):
+        """The worker's mapping of `slot`, checked against what the main process says it is
+        (mapped without `populate` by a worker that writes only some rows of it)."""
         if fds:
             from ._ring import Segment
 
-            segment = Segment(fds[0], capacity)
+            segment = Segment(fds[0], capacity, populate=populate)
             segment.close_fd()
             for extra in fds[1:]:
                 os.close(extra)

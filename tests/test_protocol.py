@@ -31,6 +31,10 @@ EXAMPLES = [
     protocol.Resumed(3),
     protocol.Fatal("running worker_init_fn", ("ValueError", "x", "tb")),
     protocol.Rewind(-2, 3),
+    protocol.Learn(0, 0, 128, 17),
+    protocol.Schema(0, 0, b"schema"),
+    protocol.Rows(0, 3, 2, 1, 1 << 20, 128, 32, [4, 5, 6]),
+    protocol.RowsDone(0, 3, 16),
 ]
 
 

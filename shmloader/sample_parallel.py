@@ -1,0 +1,577 @@
+"""`ShmDataLoader(..., sample_parallel=True)`: the samples of one batch spread over all the workers.
+
+NOTE [ Samples of one batch over the workers ]
+  The default mode gives each batch to one worker, as torch does: the first batch arrives after
+  batch_size sample-times, and the ring holds a batch in progress for every worker.  In this
+  mode the main process draws the batches of indices from torch's batch sampler exactly as the
+  default mode does (this iterator derives from torch's base class: the same sampler, seed and
+  len()), keeps max(2, prefetch_factor) batches in flight, and for each batch:
+
+    1. takes a free ring slot, making its segment here (the schema's total bytes) when it has
+       none or a too-small one, and claims it (FREE -> WRITING, csrc/ring.h) for the batch;
+    2. splits the batch's rows into contiguous chunks, one per worker (chunk j to worker j, so
+       that a worker writes the same rows of every slot and touches only those pages of it; for
+       a batch smaller than num_workers, fewer chunks, batch n's first to worker n % num_workers,
+       the next to the next worker), and sends each worker a Rows message (protocol.py; the
+       slot's fd the first time that worker sees that segment);
+    3. each worker fetches its samples one by one, writes each straight to its row of the slot
+       (rows.write_row, NOTE [ Rows of one batch ] in rows.py) and reports RowsDone, or Failed
+       at its first failing row (the row's number is in the error);
+    4. once every chunk is reported, the main process publishes the slot (rows.publish_batch:
+       WRITING -> READY), leases it and reads the batch (scheduler.deliver), exactly as a
+       default-mode batch; batches are delivered in sampler order.  A batch with a failed chunk
+       is never published: its slot goes back to the ring once every chunk has reported (no
+       worker writes to it any more) and the first failing row's exception (the lowest row) is
+       raised at the batch's turn; the epoch goes on, as in torch.  A worker death shuts the
+       loader down (WorkerDiedError, then LoaderBrokenError), so no batch with missing rows is
+       ever delivered.
+
+  The schema.  Before the first batch can be given a slot, the batch's layout must be known:
+  the worker that gets row 0 of batch n (_first_worker) fetches it (seeded as that row), learns the RowSchema
+  from it (rows.learn_schema) and sends it back (Schema); it keeps the sample and writes it as
+  its row 0 later, so it is not fetched twice.  The main process sends the schema to every
+  worker; a short batch uses `schema.resized(k)` on both sides.  If fetching that sample raises,
+  that batch raises its error at its turn and the schema is learnt from the next batch; if the
+  sample cannot be written row by row (RowsUnsupportedError: a str, None, a tensor subclass...),
+  that error is raised at the first batch's turn and the loader is shut down (the error says to
+  use the default mode).  A later sample of another structure, shape or dtype raises
+  BatchShapeError at its batch's turn (as torch's default_collate raises), and the epoch goes on.
+
+  Seeding.  Before fetching row r of batch n of epoch e, the worker calls
+  `rows.seed_sample(rows.sample_seed(base_seed, e, n, r))`: python's `random`, numpy's global
+  RNG and torch's CPU generator are seeded from those four numbers only (the formulas are in
+  rows.py), so a sample's randomness does not depend on which worker fetched it, nor on
+  num_workers, nor on the order rows are fetched in: two runs with the same generator (or
+  torch.manual_seed) give identical batches at any num_workers.  `base_seed` is torch's, drawn
+  once per iterator from the loader's generator; `e` counts the epochs of one iterator (0, then
+  1, 2, ... with persistent_workers=True; always 0 otherwise, where each epoch draws a new
+  base_seed).  The random numbers therefore differ from those of torch's DataLoader or the
+  default mode, which seed each worker once; data that draw no random numbers are identical.
+  get_worker_info() and worker_init_fn behave as in the default mode (the worker's own seed).
+
+  Scope.  Map-style datasets with the default collate_fn (torch's default_collate) and a batch
+  size (batch_size or batch_sampler).  An IterableDataset, a custom collate_fn or batch_size=None
+  is a ValueError at construction, naming what and saying to use the default mode.  A dataset
+  with __getitems__ gets it called with one index at a time.  num_workers=0 runs in process
+  as the default mode does (there is nothing to spread).  persistent_workers, timeout,
+  pin_memory (the slots are page-locked as in the default mode), held batches (list(loader):
+  NOTE [ Held batches ] in ring.py) and stats() work as in the default mode (stats().timing is
+  None); in_order=False delivers in order anyway; state_dict() / load_state_dict() raise.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+import weakref
+
+import torch
+from torch.utils.data import IterableDataset, default_collate
+
+from . import rows, torch_private
+from .errors import LoaderBrokenError, LoaderTimeoutError, SlotProtocolError
+from .loader import POLL_SECONDS, LoaderStats, _Failure
+from .pool import Poller, WorkerPool
+from .protocol import (
+    FETCHING,
+    IDLE,
+    LAYING_OUT,
+    WRITING,
+    Failed,
+    Fatal,
+    Learn,
+    Rows,
+    RowsDone,
+    Schema,
+)
+from .ring import CONSUMER_SLOTS
+from .scheduler import SlotScheduler
+from .segment import create_segment, slot_capacity
+from .worker import Shipped, WorkerSpec, exception_payload
+
+COLLATE_ROWS = "rows"  # WorkerSpec.collate_mode of this mode's workers (they run no Task)
+_USE_DEFAULT = "use the default mode (sample_parallel=False)"
+
+
+# -- what this mode supports ------------------------------------------------------------------------
+
+
+def check_loader(loader) -> None:
+    """A clear ValueError, at construction, for what this mode cannot do."""
+    if isinstance(loader.dataset, IterableDataset):
+        raise ValueError(
+            f"sample_parallel=True needs a map-style dataset (it spreads the indices of each batch "
+            f"over the workers); {type(loader.dataset).__name__} is an IterableDataset: {_USE_DEFAULT}")
+    if loader.batch_size is None and loader.batch_sampler is None:
+        raise ValueError(f"sample_parallel=True needs batches (batch_size=None gives single samples): {_USE_DEFAULT}")
+    if loader.collate_fn is not default_collate:
+        raise ValueError(
+            f"sample_parallel=True writes each sample's rows as torch's default_collate stacks them, "
+            f"so it needs the default collate_fn; got collate_fn={loader.collate_fn!r}: {_USE_DEFAULT}")
+
+
+def refuse_state(what: str) -> None:
+    raise ValueError(f"{what} is not supported with sample_parallel=True yet: {_USE_DEFAULT} to save "
+                     "and resume a loader mid-epoch")
+
+
+def _first_worker(idx: int, size: int, num_workers: int) -> int:
+    """The worker of batch `idx`'s first chunk (NOTE above): 0, or turns for a small batch."""
+    return 0 if size >= num_workers else idx % num_workers
+
+
+def _chunks(size: int, parts: int) -> list[tuple[int, int]]:
+    """[lo, hi) row ranges: `size` rows in min(parts, size) contiguous, near-equal chunks."""
+    parts = min(parts, size)
+    base, extra = divmod(size, parts)
+    bounds, lo = [], 0
+    for j in range(parts):
+        hi = lo + base + (j < extra)
+        bounds.append((lo, hi))
+        lo = hi
+    return bounds
+
+
+class _Schemas:
+    """The learnt RowSchema and its resized forms, by batch size (both sides keep one)."""
+
+    def __init__(self, schema: rows.RowSchema):
+        self.by_size = {schema.batch_size: schema}
+        self.any = schema
+
+    def get(self, size: int) -> rows.RowSchema:
+        schema = self.by_size.get(size)
+        if schema is None:
+            schema = self.by_size[size] = self.any.resized(size)
+        return schema
+
+
+# -- the worker's side --------------------------------------------------------------------------------
+
+
+class _RowsWorker:
+    """A worker's state in this mode: the schema, and the sample it learnt the schema from."""
+
+    def __init__(self):
+        self.schemas: _Schemas | None = None
+        self.kept = None  # (epoch, idx, sample): row 0 of the batch the schema was learnt from
+
+    def fetch(self, worker, epoch: int, idx: int, row: int, index):
+        """Sample `index` as row `row` of batch `idx`: seeded for that row (NOTE above)."""
+        kept, self.kept = self.kept, None
+        if kept is not None and row == 0 and kept[:2] == (epoch, idx):
+            return kept[2]
+        rows.seed_sample(rows.sample_seed(worker.spec.base_seed, epoch, idx, row))
+        return worker.fetcher.fetch([index])[0]
+
+    def learn(self, worker, message: Learn) -> None:
+        epoch, idx, size, index = message
+        stage = worker._enter(FETCHING, idx)
+        try:
+            if worker.init_error is not None:
+                stage, payload = worker.init_error
+                worker.channel.send(Failed(epoch, idx, stage, payload))
+                return
+            sample = self.fetch(worker, epoch, idx, 0, index)
+            stage = worker._enter(LAYING_OUT, idx) + " (learning the batch's row layout from row 0)"
+            schema = rows.learn_schema(sample, size)
+        except Exception as exc:
+            worker.channel.send(Failed(epoch, idx, stage, exception_payload(exc)))
+            return
+        self.schemas = _Schemas(schema)
+        self.kept = (epoch, idx, sample)
+        worker.channel.send(Schema(epoch, idx, schema.to_bytes()))
+
+    def rows(self, worker, message: Rows, fds: list[int]) -> None:
+        epoch, idx, slot, generation, capacity, size, first_row, indices = message
+        # Not populated: this worker writes a few rows of it (a mismatch is a protocol error).
+        segment = worker._attach(slot, generation, capacity, fds, populate=False)
+        stage, row = worker.stage, first_row
+        try:
+            if worker.init_error is not None:
+                stage, payload = worker.init_error
+                worker.channel.send(Failed(epoch, idx, stage, payload))
+                return
+            if self.schemas is None or segment is None:
+                raise SlotProtocolError(f"worker {worker.spec.worker_id} got rows of batch {idx} "
+                                        "before the schema or without a slot segment")
+            schema = self.schemas.get(size)
+            for row, index in enumerate(indices, first_row):
+                stage = worker._enter(FETCHING, idx)
+                sample = self.fetch(worker, epoch, idx, row, index)
+                stage = worker._enter(WRITING, idx)
+                rows.write_row(segment, schema, row, sample)
+                del sample
+        except Exception as exc:
+            worker.channel.send(Failed(epoch, idx, f"{stage}, at row {row} (index {indices[row - first_row]!r})",
+                                       exception_payload(exc)))
+            return
+        worker.channel.send(RowsDone(epoch, idx, len(indices)))
+
+
+def worker_handle(worker, message, fds: list[int]) -> None:
+    """worker.py's branch for this mode's messages."""
+    state = worker.__dict__.get("rows_state")
+    if state is None:
+        state = worker.rows_state = _RowsWorker()
+    kind = type(message)
+    if kind is Schema:
+        state.schemas = _Schemas(rows.RowSchema.from_bytes(message.schema))
+    elif kind is Learn:
+        state.learn(worker, message)
+    else:
+        state.rows(worker, message, fds)
+    worker._enter(IDLE)
+
+
+# -- the main process's side ----------------------------------------------------------------------
+
+
+class _Batch:
+    """One batch drawn from the sampler, until it is delivered."""
+
+    __slots__ = ("epoch", "idx", "indices", "slot", "left", "first_row", "failure", "fatal", "done", "data")
+
+    def __init__(self, epoch: int, idx: int, indices):
+        self.epoch, self.idx, self.indices = epoch, idx, list(indices)
+        self.slot: int | None = None
+        self.left = 0  # chunks not reported yet
+        self.first_row: dict[int, int] = {}  # worker -> its chunk's first row
+        self.failure: _Failure | None = None
+        self.fatal = False  # its failure shuts the loader down (the schema cannot be learnt)
+        self.done = False
+        self.data = None
+
+
+class _NotResumable:
+    """What state.start_epoch reads of an iterator (this mode keeps no resumable state)."""
+
+    finished = False
+
+
+class SampleParallelIter(torch_private.BaseDataLoaderIter):
+    """The iterator of `sample_parallel=True` (NOTE [ Samples of one batch over the workers ])."""
+
+    def __init__(self, loader) -> None:
+        super().__init__(loader)
+        self._resumable = _NotResumable()
+        self._shutdown = False
+        self._broken: str | None = None
+        self._pool: WorkerPool | None = None
+        self._scheduler: SlotScheduler | None = None
+        self._final_ring_stats = None
+        self._batches = 0
+        self._epoch = 0
+        self._loader_ref = weakref.ref(loader)
+        self._depth = max(2, loader.prefetch_factor)  # batches in flight
+        self._schemas: _Schemas | None = None
+        self._learning: tuple[int, int] | None = None  # (epoch, idx) whose row 0 is being learnt
+        self._flight: dict[tuple[int, int], _Batch] = {}  # drawn, not delivered (stale epochs too)
+        self._queue: list[_Batch] = []  # drawn, not yet sent to the workers
+        pinner = None
+        if self._pin_memory:
+            from .cuda import SlotPinner
+
+            pinner = SlotPinner(self._pin_memory_device)
+        self._scheduler = SlotScheduler(
+            self._num_workers, self._depth, slot_bytes=loader.slot_bytes, max_slots=loader.max_ring_slots,
+            max_bytes=loader.max_ring_bytes, pinner=pinner, depth=self._depth + CONSUMER_SLOTS)
+        context = loader.multiprocessing_context or torch.multiprocessing
+        payload = Shipped((self._dataset, None, loader.worker_init_fn))
+
+        def make_spec(worker_id: int) -> WorkerSpec:
+            return WorkerSpec(
+                worker_id=worker_id, num_workers=self._num_workers, base_seed=self._base_seed,
+                dataset_kind=self._dataset_kind, auto_collation=self._auto_collation,
+                collate_mode=COLLATE_ROWS, drop_last=self._drop_last, payload=payload,
+                main_pid=os.getpid(), forked=context.get_start_method() == "fork",
+                ring_depth=self._ring.depth)
+
+        try:
+            self._pool = WorkerPool(self._num_workers, context, make_spec, False, self._worker_died)
+        except BaseException:
+            self._shutdown_workers()
+            raise
+        self._scheduler.send = self._pool.send
+        self._everything = Poller(list(self._pool.channel_of) + list(self._pool.sentinel_of))
+        self._reset(loader, first_iter=True)
+
+    @property
+    def _ring(self):
+        return self._scheduler.ring
+
+    @property
+    def _workers(self) -> list:
+        return self._pool.processes if self._pool is not None else []
+
+    # -- epochs and dispatch -----------------------------------------------------------------------
+
+    def _reset(self, loader, first_iter=False) -> None:
+        super()._reset(loader, first_iter)
+        if not first_iter:
+            self._epoch += 1
+            for key, batch in list(self._flight.items()):  # the last epoch's: never delivered
+                if batch.done or batch.slot is None:
+                    del self._flight[key]  # a delivered-to-be batch's lease goes with it
+            self._queue.clear()  # a schema being learnt still serves; a failure to learn it is dropped
+        self._send_idx = 0
+        self._rcvd_idx = 0
+        self._exhausted = False
+        self._fill()
+
+    def _fill(self, create: bool = True) -> None:
+        """Draw batches up to the in-flight depth and send what can be sent (without `create`,
+        only into slots that have a segment: making one waits until the loop must wait anyway)."""
+        while not self._exhausted and len(self._flight) < self._depth:
+            try:
+                index = self._next_index()
+            except StopIteration:
+                self._exhausted = True
+                break
+            batch = _Batch(self._epoch, self._send_idx, index)
+            self._flight[(batch.epoch, batch.idx)] = batch
+            self._queue.append(batch)
+            self._send_idx += 1
+        self._dispatch(create)
+
+    def _dispatch(self, create: bool = True) -> None:
+        while self._queue:
+            batch = self._queue[0]
+            if self._schemas is None:
+                if self._learning is None:
+                    self._learning = (batch.epoch, batch.idx)
+                    self._send(_first_worker(batch.idx, len(batch.indices), self._num_workers),
+                               Learn(batch.epoch, batch.idx, len(batch.indices), batch.indices[0]))
+                return
+            if not self._claim_slot(batch, create):
+                return
+            self._queue.pop(0)
+            self._send_rows(batch)
+
+    def _claim_slot(self, batch: _Batch, create: bool = True) -> bool:
+        """Give `batch` a slot of the right size, claimed for it; False if none can be had now
+        (or, without `create`, none that has a segment already)."""
+        ring = self._ring
+        self._scheduler.replenish()
+        if not create and not ring.has_free_created_slot():
+            return False
+        if not ring.can_take():
+            if not any(b.slot is not None and not b.done for b in self._flight.values()):
+                ring.make_room()  # nothing in flight to wait for: a user's cap (RingFullError)
+            return False
+        slot = ring.take_free_slot(created_only=not create)
+        generation, capacity, hint = ring.task_geometry(slot)
+        needed = self._schemas.get(len(batch.indices)).total_bytes
+        try:
+            if capacity < needed:
+                segment = create_segment(slot_capacity(needed, capacity, hint), generation + 1,
+                                         f"slot {slot} of the ring ({ring.depth} slots)", populate=False)
+                try:
+                    ring.adopt(slot, os.dup(segment.fd), segment.size, generation + 1)
+                finally:
+                    segment.close_fd()  # this mapping goes with `segment`; the ring maps its own
+                self._scheduler.pin(ring.segment(slot))
+                self._scheduler.replenish()  # workers forget the segment it replaced
+            found = ring.segment(slot).claim(self._num_workers, batch.idx)  # writer: the main process
+        except BaseException:
+            ring.unassign(slot)
+            raise
+        if found != rows.layout._ring.FREE:
+            raise SlotProtocolError(f"slot {slot} is in state {found}, not FREE, when claimed for batch {batch.idx}")
+        batch.slot = slot
+        return True
+
+    def _send_rows(self, batch: _Batch) -> None:
+        slot = batch.slot
+        generation, capacity, _ = self._ring.task_geometry(slot)
+        size = len(batch.indices)
+        chunks = _chunks(size, self._num_workers)
+        batch.left = len(chunks)
+        first = _first_worker(batch.idx, size, self._num_workers)
+        for j, (lo, hi) in enumerate(chunks):
+            worker_id = (first + j) % self._num_workers
+            batch.first_row[worker_id] = lo
+            self._send(worker_id, Rows(batch.epoch, batch.idx, slot, generation, capacity, size, lo,
+                                       batch.indices[lo:hi]), self._scheduler.fds_for(worker_id, slot))
+
+    def _send(self, worker_id: int, message, fds: tuple[int, ...] = ()) -> None:
+        self._pool.send(worker_id, message, fds)
+
+    # -- results --------------------------------------------------------------------------------
+
+    def _handle(self, worker_id: int, message, fds: list[int]) -> None:
+        for fd in fds:  # no message of this mode carries an fd to the main process
+            os.close(fd)
+        kind = type(message)
+        if kind is Schema:
+            self._learning = None
+            self._schemas = _Schemas(rows.RowSchema.from_bytes(message.schema))
+            for other in range(self._num_workers):
+                self._send(other, message)
+            self._dispatch()
+            return
+        if kind is Fatal:
+            _Failure(worker_id, self._workers[worker_id].pid, None, message.stage, message.payload).reraise()
+        if kind is not RowsDone and kind is not Failed:
+            raise SlotProtocolError(f"unexpected message {message!r:.200} from worker {worker_id}")
+        key = (message.epoch, message.idx)
+        batch = self._flight.get(key)
+        failure = None
+        if kind is Failed:
+            failure = _Failure(worker_id, self._workers[worker_id].pid, message.idx, message.stage, message.payload)
+        if key == self._learning:  # learning the schema from row 0 failed
+            self._learning = None
+            if batch is not None and batch in self._queue:
+                self._queue.remove(batch)
+                batch.failure, batch.done = failure, True
+                batch.fatal = message.payload[1].endswith("RowsUnsupportedError")
+            self._dispatch()  # learn from the next batch
+            return
+        if batch is None or batch.slot is None:
+            raise SlotProtocolError(f"worker {worker_id} reported rows of batch {message.idx} (epoch "
+                                    f"{message.epoch}), which is not in flight")
+        if failure is not None:
+            row = batch.first_row.get(worker_id, 0)
+            if batch.failure is None or row < batch.first_row.get(batch.failure.worker_id, 0):
+                batch.failure = failure
+        batch.left -= 1
+        if batch.left == 0:
+            self._complete(batch)
+
+    def _complete(self, batch: _Batch) -> None:
+        """Every chunk of `batch` is reported: publish and read it, or give its slot back."""
+        stale = batch.epoch != self._epoch
+        if stale or batch.failure is not None:
+            self._ring.unassign(batch.slot)  # WRITING -> FREE: no worker writes to it any more
+            if stale:
+                del self._flight[(batch.epoch, batch.idx)]
+                self._fill()
+                return
+            batch.data = batch.failure
+        else:
+            segment = self._ring.segment(batch.slot)
+            rows.publish_batch(segment, self._schemas.get(len(batch.indices)))
+            batch.data = self._scheduler.deliver(batch.slot, batch.idx)
+        batch.done = True
+
+    # -- the next batch ----------------------------------------------------------------------------
+
+    def _next_data(self):
+        if self._shutdown:  # NOTE [ Shutdown ] in pool.py
+            if self._broken is not None:
+                raise LoaderBrokenError(
+                    f"this DataLoader iterator was shut down by an earlier error ({self._broken}); "
+                    "start a new epoch with iter(loader)")
+            raise StopIteration
+        try:
+            batch = self._next_batch()
+        except StopIteration:
+            raise
+        except BaseException as exc:
+            self._break(exc)
+            raise
+        if batch.failure is None:
+            self._batches += 1
+            return batch.data
+        try:
+            batch.failure.reraise()
+        except BaseException as exc:
+            if batch.fatal:  # no schema can be learnt: every batch would fail
+                self._break(exc)
+            raise
+
+    def _next_batch(self) -> _Batch:
+        deadline = time.monotonic() + self._timeout if self._timeout > 0 else None
+        while True:
+            self._scheduler.replenish()
+            self._read(0)
+            key = (self._epoch, self._rcvd_idx)
+            batch = self._flight.get(key)
+            if batch is not None and batch.done:
+                del self._flight[key]
+                self._rcvd_idx += 1
+                self._fill(create=False)  # the next batches go on; new segments can wait
+                return batch
+            self._fill()
+            batch = self._flight.get(key)
+            if batch is None and self._exhausted:
+                if not self._persistent_workers:
+                    self._shutdown_workers()
+                raise StopIteration
+            if batch is not None and batch.done:
+                continue
+            wait = POLL_SECONDS if deadline is None else max(0.0, min(POLL_SECONDS, deadline - time.monotonic()))
+            if not self._read(wait) and deadline is not None and time.monotonic() >= deadline:
+                raise LoaderTimeoutError(
+                    f"DataLoader timed out after {self._timeout} seconds waiting for batch "
+                    f"{self._rcvd_idx}; the loader has been shut down")
+
+    def _read(self, wait: float) -> int:
+        """Handle the messages waiting (waiting up to `wait` for one); a dead worker raises."""
+        channel_of, sentinel_of = self._pool.channel_of, self._pool.sentinel_of
+        handled = 0
+        ready = self._everything.ready(wait)
+        while ready:
+            for fd in ready:
+                if fd in channel_of:
+                    worker_id = channel_of[fd][0]
+                    self._handle(worker_id, *self._pool.receive(worker_id))
+                    handled += 1
+            for fd in ready:
+                if fd in sentinel_of and fd not in channel_of:
+                    self._worker_died(sentinel_of[fd])
+            ready = self._everything.ready(0)
+        return handled
+
+    def _worker_died(self, worker_id: int):
+        for message, fds in self._pool.last_words(worker_id):
+            try:
+                self._handle(worker_id, message, fds)
+            except Exception as exc:  # its Fatal: the worker's own error says more than a death
+                self._break(exc)
+                raise
+        error = self._pool.death(worker_id)
+        self._break(error)
+        raise error
+
+    def _break(self, error: BaseException) -> None:
+        """Shut down after `error`; every later next() raises LoaderBrokenError (NOTE [ Shutdown ])."""
+        if self._broken is None:
+            first = (str(error).splitlines() or [""])[0]
+            self._broken = f"{type(error).__name__}: {first}".rstrip(": ")
+        self._shutdown_workers()
+
+    # -- statistics and shutdown ---------------------------------------------------------------------
+
+    def stats(self) -> LoaderStats:
+        ring = self._final_ring_stats or self._ring.stats()
+        shared = {f.name: getattr(ring, f.name) for f in dataclasses.fields(ring)
+                  if f.name not in ("slots", "allocated_slots")}
+        pool = self._pool
+        return LoaderStats(ring_slots=ring.slots, reserved_bytes=ring.reserved_bytes, batches=self._batches,
+                           in_place_bytes=0, control_bytes=pool.control_bytes if pool else 0,
+                           control_messages=pool.control_messages if pool else 0, timing=None, **shared)
+
+    def _shutdown_workers(self) -> None:
+        if self._shutdown:
+            return
+        self._shutdown = True
+        try:
+            if self._pool is not None:
+                self._pool.stop()
+        finally:
+            self._flight.clear()  # batches read ahead, never delivered: their leases go
+            self._queue.clear()
+            if self._scheduler is not None:
+                self._final_ring_stats = self._ring.stats()
+                self._scheduler.close()
+                loader = self._loader_ref()
+                if loader is not None:
+                    loader._final_stats = self.stats()
+
+    def __del__(self) -> None:
+        try:
+            self._shutdown_workers()
+        except Exception:
+            pass

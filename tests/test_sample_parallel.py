@@ -1,0 +1,235 @@
+"""ShmDataLoader(sample_parallel=True): the samples of one batch spread over the workers, each
+writing its rows into the batch's slot (NOTE [ Samples of one batch over the workers ] in
+shmloader/sample_parallel.py).  The same batches, in the same order, as torch's DataLoader and the
+default mode; clear errors for what the mode cannot do; no partial batch, no leak."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import DataLoader, Dataset, IterableDataset
+
+from shmloader import BatchShapeError, LoaderBrokenError, ShmDataLoader, WorkerDiedError
+from tests._helpers import assert_same_batches, collect, seeded
+
+pytestmark = [
+    pytest.mark.timeout(90),
+    pytest.mark.usefixtures("no_leaks"),
+    pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning"),  # 3 workers, 2 cores
+]
+
+
+class Arrays(Dataset):
+    def __init__(self, n=23, kind="array"):
+        self.n, self.kind = n, kind
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        image = np.arange(12, dtype=np.float32).reshape(3, 4) + i
+        if self.kind == "array":
+            return image
+        if self.kind == "pair":
+            return image, i
+        return {"image": np.full((2, 3), i % 256, np.uint8), "label": i, "weight": i * 0.25}
+
+
+class Noisy(Dataset):
+    """Per-sample randomness from numpy's, torch's and python's global RNGs."""
+
+    def __len__(self):
+        return 13
+
+    def __getitem__(self, i):
+        import random
+
+        return np.random.random(3) + i, torch.rand(2), random.random()
+
+
+class Faulty(Dataset):
+    """Index `bad` raises KeyError; index `odd` has another shape; index `kill` kills its worker."""
+
+    def __init__(self, bad=None, odd=None, kill=None):
+        self.bad, self.odd, self.kill = bad, odd, kill
+
+    def __len__(self):
+        return 20
+
+    def __getitem__(self, i):
+        if i == self.bad:
+            raise KeyError(f"no item {i}")
+        if i == self.kill:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return np.full((5 if i == self.odd else 4,), i, np.int64)
+
+
+class Stream(IterableDataset):
+    def __iter__(self):
+        return iter(range(4))
+
+
+def _three(dataset, seed=None, **kwargs):
+    """Batches of torch's DataLoader, the default mode and sample_parallel, same arguments."""
+    def gen():
+        return seeded(seed) if seed is not None else None
+
+    torch_batches = collect(DataLoader(dataset, generator=gen(), **kwargs))
+    default = collect(ShmDataLoader(dataset, generator=gen(), **kwargs))
+    parallel = collect(ShmDataLoader(dataset, generator=gen(), sample_parallel=True, **kwargs))
+    return torch_batches, default, parallel
+
+
+@pytest.mark.parametrize("kind", ["array", "pair", "dict"])
+@pytest.mark.parametrize("num_workers", [1, 2, 3])
+def test_same_batches_as_torch_and_the_default_mode(kind, num_workers):
+    want, default, got = _three(Arrays(23, kind), batch_size=5, num_workers=num_workers)
+    assert_same_batches(got, want)
+    assert_same_batches(default, want)
+
+
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_shuffle_with_generator_and_drop_last(drop_last):
+    want, default, got = _three(Arrays(23, "dict"), seed=7, batch_size=4, num_workers=2, shuffle=True,
+                                drop_last=drop_last)
+    assert len(want) == (5 if drop_last else 6)
+    assert_same_batches(got, want)
+    assert_same_batches(default, want)
+
+
+@pytest.mark.parametrize("batch_size", [2, 7])  # fewer rows than workers; not divisible by them
+def test_batch_sizes_against_num_workers(batch_size):
+    want, _, got = _three(Arrays(11, "pair"), batch_size=batch_size, num_workers=3)
+    assert_same_batches(got, want)
+
+
+def test_per_sample_seeding_is_independent_of_the_workers():
+    runs = [collect(ShmDataLoader(Noisy(), batch_size=4, num_workers=w, generator=seeded(3), sample_parallel=True))
+            for w in (2, 3, 2)]
+    assert_same_batches(runs[1], runs[0])
+    assert_same_batches(runs[2], runs[0])
+    other = collect(ShmDataLoader(Noisy(), batch_size=4, num_workers=2, generator=seeded(4), sample_parallel=True))
+    assert not torch.equal(other[0][1], runs[0][0][1])  # another base seed, other noise
+
+
+def test_persistent_workers_over_two_epochs():
+    loader = ShmDataLoader(Arrays(17, "dict"), batch_size=4, num_workers=2, shuffle=True, generator=seeded(5),
+                           persistent_workers=True, sample_parallel=True)
+    reference = DataLoader(Arrays(17, "dict"), batch_size=4, num_workers=2, shuffle=True, generator=seeded(5),
+                           persistent_workers=True)
+    for _ in range(2):
+        assert_same_batches(collect(loader), collect(reference))
+    noisy = ShmDataLoader(Noisy(), batch_size=4, num_workers=2, generator=seeded(5), persistent_workers=True,
+                          sample_parallel=True)
+    first, second = collect(noisy), collect(noisy)
+    assert not torch.equal(first[0][1], second[0][1])  # the epoch is part of each sample's seed
+    del loader, noisy, reference
+
+
+def test_held_batches_equal_torchs():
+    held = list(ShmDataLoader(Arrays(23, "pair"), batch_size=3, num_workers=2, sample_parallel=True))
+    assert_same_batches(held, list(DataLoader(Arrays(23, "pair"), batch_size=3)))
+    del held
+
+
+def test_break_mid_epoch_then_a_new_epoch_with_persistent_workers():
+    loader = ShmDataLoader(Arrays(40), batch_size=4, num_workers=2, persistent_workers=True, sample_parallel=True)
+    for i, _ in enumerate(loader):
+        if i == 1:
+            break
+    assert_same_batches(collect(loader), collect(DataLoader(Arrays(40), batch_size=4)))
+    stats = loader.stats()
+    assert stats.batches >= 10 and stats.ring_slots == 4  # max(2, prefetch_factor) + 2
+    del loader
+
+
+@pytest.mark.parametrize("make", [
+    lambda: ShmDataLoader(Stream(), batch_size=2, num_workers=2, sample_parallel=True),
+    lambda: ShmDataLoader(Arrays(), batch_size=2, num_workers=2, collate_fn=lambda b: b, sample_parallel=True),
+    lambda: ShmDataLoader(Arrays(), batch_size=None, num_workers=2, sample_parallel=True),
+], ids=["iterable", "collate_fn", "batch_size_none"])
+def test_what_the_mode_cannot_do_is_a_clear_error(make):
+    with pytest.raises(ValueError, match=r"sample_parallel=True.*use the default mode \(sample_parallel=False\)"):
+        make()
+
+
+def test_state_dict_is_refused():
+    loader = ShmDataLoader(Arrays(), batch_size=2, num_workers=2, sample_parallel=True)
+    with pytest.raises(ValueError, match="state_dict"):
+        loader.state_dict()
+
+
+def test_unsupported_sample_is_a_clear_error_at_the_first_batch():
+    class Strings(Dataset):
+        def __len__(self):
+            return 4
+
+        def __getitem__(self, i):
+            return {"name": f"item {i}"}
+
+    it = iter(ShmDataLoader(Strings(), batch_size=2, num_workers=2, sample_parallel=True))
+    with pytest.raises(TypeError, match=r"batch\['name'\].*default mode"):
+        next(it)
+    with pytest.raises(LoaderBrokenError):
+        next(it)
+
+
+def test_a_sample_of_another_shape_raises_at_its_batch_and_the_epoch_goes_on():
+    it = iter(ShmDataLoader(Faulty(odd=9), batch_size=4, num_workers=2, sample_parallel=True))
+    assert [next(it)[0, 0].item() for _ in range(2)] == [0, 4]
+    with pytest.raises(BatchShapeError, match="row 1"):
+        next(it)
+    assert [b[0, 0].item() for b in it] == [12, 16]
+
+
+def test_a_dataset_error_raises_at_its_batch_and_the_epoch_goes_on():
+    it = iter(ShmDataLoader(Faulty(bad=5), batch_size=4, num_workers=3, sample_parallel=True))
+    assert next(it)[0, 0].item() == 0
+    with pytest.raises(KeyError, match="no item 5"):
+        next(it)
+    assert [b[0, 0].item() for b in it] == [8, 12, 16]
+
+
+def test_a_failing_first_sample_learns_from_the_next_batch():
+    it = iter(ShmDataLoader(Faulty(bad=0), batch_size=4, num_workers=2, sample_parallel=True))
+    with pytest.raises(KeyError, match="no item 0"):
+        next(it)
+    assert [b[0, 0].item() for b in it] == [4, 8, 12, 16]
+
+
+def test_a_worker_killed_mid_batch():
+    it = iter(ShmDataLoader(Faulty(kill=10), batch_size=4, num_workers=2, sample_parallel=True))
+    assert next(it)[0, 0].item() == 0
+    with pytest.raises(WorkerDiedError):
+        for _ in range(4):
+            next(it)
+    with pytest.raises(LoaderBrokenError):
+        next(it)
+
+
+def test_timeout_is_honoured():
+    class Slow(Dataset):
+        def __len__(self):
+            return 4
+
+        def __getitem__(self, i):
+            import time
+
+            time.sleep(5 if i == 2 else 0)
+            return np.zeros(2)
+
+    it = iter(ShmDataLoader(Slow(), batch_size=2, num_workers=2, timeout=1, sample_parallel=True))
+    next(it)
+    from shmloader import LoaderTimeoutError
+
+    with pytest.raises(LoaderTimeoutError):
+        next(it)
+
+
+def test_num_workers_zero_is_the_default_mode():
+    got = collect(ShmDataLoader(Arrays(7, "dict"), batch_size=3, sample_parallel=True))
+    assert_same_batches(got, collect(DataLoader(Arrays(7, "dict"), batch_size=3)))
