@@ -236,17 +236,23 @@ def _cpu_self() -> float:
     return r.ru_utime + r.ru_stime
 
 
-def run_loader(t: Transport, p: Point, watch: MemWatch, dataset=None) -> dict:
-    """One timed run of loader transport ``t`` on point ``p``; returns the raw metrics.
-    ``dataset`` (made beforehand, shared by the runs of a point) stays out of the memory figure."""
-    consume = CONSUMERS[p.consumer]
+def _begin_run(t: Transport, watch: MemWatch) -> tuple[set[int], set, set[int], dict[int, tuple[int, int]]]:
+    """Before a timed run: the processes already there (not ours to count or reap), /dev/shm as
+    it is, the memory watch started, and the other processes' CPU so far."""
     prepare(t)
     keep = {c.pid for c in psutil.Process().children(recursive=True)}
     shm_before = shm_entries()
     gc.collect()
     watch.start()
     skip = {os.getpid(), *keep}
-    others0 = other_cpu(skip)
+    return keep, shm_before, skip, other_cpu(skip)
+
+
+def run_loader(t: Transport, p: Point, watch: MemWatch, dataset=None) -> dict:
+    """One timed run of loader transport ``t`` on point ``p``; returns the raw metrics.
+    ``dataset`` (made beforehand, shared by the runs of a point) stays out of the memory figure."""
+    consume = CONSUMERS[p.consumer]
+    keep, shm_before, skip, others0 = _begin_run(t, watch)
     total = p.warmup + p.batches
     t0 = time.perf_counter()
     loader = make_loader(t, p, dataset)
@@ -324,13 +330,7 @@ def _run_driven(t: Transport, p: Point, watch: MemWatch, dataset, drive) -> dict
     it and returns its metrics), then shut the workers down and check for leftovers, as
     :func:`run_loader` does. ``t0`` is when the loader is about to be made; ``drive`` calls
     ``note_children()`` once the workers exist (after a first batch)."""
-    prepare(t)
-    keep = {c.pid for c in psutil.Process().children(recursive=True)}
-    shm_before = shm_entries()
-    gc.collect()
-    watch.start()
-    skip = {os.getpid(), *keep}
-    others0 = other_cpu(skip)
+    keep, shm_before, skip, others0 = _begin_run(t, watch)
     pids = {os.getpid()}
 
     def note_children() -> None:

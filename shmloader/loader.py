@@ -254,7 +254,92 @@ class _Failure:
 _END = object()  # an iterable worker's stream is exhausted
 
 
-class _ShmLoaderIter(torch_private.BaseDataLoaderIter):
+class _PoolIter(torch_private.BaseDataLoaderIter):
+    """What both iterators (this module's and sample_parallel.py's) share: a WorkerPool, a
+    SlotScheduler, and a shutdown that leaves the iterator ended or broken (NOTE [ Shutdown ] in
+    pool.py).  Subclasses set `_pool` and `_scheduler`, handle messages (`_handle`) and drop
+    their buffered batches in `_drop_buffered`."""
+
+    def __init__(self, loader) -> None:
+        super().__init__(loader)
+        self._shutdown = False
+        self._broken: str | None = None  # "Type: message" of the error that shut it down
+        self._pool: WorkerPool | None = None
+        self._scheduler: SlotScheduler | None = None
+        self._final_ring_stats: RingStats | None = None
+        self._batches = 0
+        self._epoch = 0
+        self._loader_ref = weakref.ref(loader)
+
+    # The parts, by the names tests and tools know them by.
+    @property
+    def _ring(self) -> Ring:
+        return self._scheduler.ring
+
+    @property
+    def _workers(self) -> list:
+        return self._pool.processes if self._pool is not None else []
+
+    def _check_open(self) -> None:
+        """At each next(): an ended iterator stops, a broken one raises again."""
+        if self._shutdown:
+            if self._broken is not None:
+                raise LoaderBrokenError(
+                    f"this DataLoader iterator was shut down by an earlier error ({self._broken}); "
+                    "start a new epoch with iter(loader)"
+                )
+            raise StopIteration
+
+    def _handle(self, worker_id: int, message, fds: list[int]):
+        raise NotImplementedError
+
+    def _worker_died(self, worker_id: int):
+        for message, fds in self._pool.last_words(worker_id):
+            try:
+                self._handle(worker_id, message, fds)
+            except Exception as exc:  # its Fatal: the worker's own error says more than a death
+                self._break(exc)
+                raise
+        error = self._pool.death(worker_id)
+        self._break(error)
+        raise error
+
+    def _break(self, error: BaseException) -> None:
+        """Shut down after `error`; every later next() raises LoaderBrokenError (NOTE [ Shutdown ]).
+        Only its text is kept: its traceback's frames may hold the user's batches."""
+        if self._broken is None:
+            lines = str(error).splitlines()
+            self._broken = f"{type(error).__name__}: {lines[0] if lines else ''}".rstrip(": ")
+        self._shutdown_workers()
+
+    def _drop_buffered(self) -> None:
+        """Forget the batches read but not delivered (their leases go, and their slots)."""
+
+    def _shutdown_workers(self) -> None:
+        """See NOTE [ Shutdown ] in pool.py."""
+        if self._shutdown:
+            return
+        self._shutdown = True
+        try:
+            if self._pool is not None:
+                self._pool.stop()
+        finally:
+            self._drop_buffered()
+            if self._scheduler is not None:
+                self._final_ring_stats = self._ring.stats()
+                self._scheduler.close()
+                loader = self._loader_ref()
+                if loader is not None:
+                    loader._final_stats = self.stats()
+
+    def __del__(self) -> None:
+        try:
+            self._shutdown_workers()
+        except Exception:
+            pass
+
+
+class _ShmLoaderIter(_PoolIter):
     """torch's bookkeeping (order, epochs, `in_order`, iterable ends), over a WorkerPool that
     carries the messages (pool.py) and a SlotScheduler that hands out the slots (scheduler.py)."""
 
@@ -265,15 +350,7 @@ class _ShmLoaderIter(torch_private.BaseDataLoaderIter):
         # torch's own check (an AssertionError there too); without it no task is ever sent
         assert self._prefetch_factor > 0, "prefetch_factor must be greater than 0"
         self._in_order = getattr(loader, "in_order", True)
-        self._shutdown = False
-        self._broken: str | None = None  # "Type: message" of the error that shut it down
-        self._pool: WorkerPool | None = None
-        self._scheduler: SlotScheduler | None = None
-        self._final_ring_stats: RingStats | None = None
-        self._batches = 0
         self._clock = BatchClock(getattr(loader, "_timing", True))  # NOTE [ Stage clocks ]
-        self._epoch = 0
-        self._loader_ref = weakref.ref(loader)
         self._events: collections.deque = collections.deque()  # results read ahead of their wait
         self._task_info: dict[int, tuple] = {}
         # NOTE [ Cross-epoch prefetch ] in epochs.py
@@ -335,15 +412,6 @@ class _ShmLoaderIter(torch_private.BaseDataLoaderIter):
             mode = COLLATE_CUSTOM
         return Shipped((self._dataset, self._collate_fn if mode == COLLATE_CUSTOM else None,
                         loader.worker_init_fn)), mode
-
-    # The parts, by the names tests and tools know them by.
-    @property
-    def _ring(self) -> Ring:
-        return self._scheduler.ring
-
-    @property
-    def _workers(self) -> list:
-        return self._pool.processes if self._pool is not None else []
 
     # -- epochs ------------------------------------------------------------------------------------
 
@@ -489,13 +557,7 @@ class _ShmLoaderIter(torch_private.BaseDataLoaderIter):
         return self._resumable.next(self, super().__next__)  # a pending fast-forward, the epoch's end
 
     def _next_data(self):
-        if self._shutdown:  # NOTE [ Shutdown ] in pool.py: ended (StopIteration) or broken (raise again)
-            if self._broken is not None:
-                raise LoaderBrokenError(
-                    f"this DataLoader iterator was shut down by an earlier error ({self._broken}); "
-                    "start a new epoch with iter(loader)"
-                )
-            raise StopIteration
+        self._check_open()  # NOTE [ Shutdown ] in pool.py
         start = self._clock.begin()
         try:
             data = self._next_data_inner()
@@ -649,21 +711,6 @@ class _ShmLoaderIter(torch_private.BaseDataLoaderIter):
             return message.idx, worker_id, failure
         raise SlotProtocolError(f"unexpected message {message!r:.200} from worker {worker_id}")
 
-    def _worker_died(self, worker_id: int):
-        for message, fds in self._pool.last_words(worker_id):
-            self._handle(worker_id, message, fds)  # raises for a Fatal message
-        error = self._pool.death(worker_id)
-        self._break(error)
-        raise error
-
-    def _break(self, error: BaseException) -> None:
-        """Shut down after `error`; every later next() raises LoaderBrokenError (NOTE [ Shutdown ]).
-        Only its text is kept: its traceback's frames may hold the user's batches."""
-        if self._broken is None:
-            lines = str(error).splitlines()
-            self._broken = f"{type(error).__name__}: {lines[0] if lines else ''}".rstrip(": ")
-        self._shutdown_workers()
-
     # -- statistics and shutdown -----------------------------------------------------------------
 
     def stats(self) -> LoaderStats:
@@ -689,27 +736,7 @@ class _ShmLoaderIter(torch_private.BaseDataLoaderIter):
         return diagnosis.diagnose(self._clock, times or [], self._prefetch_factor,
                                   time.monotonic_ns(), time.process_time_ns())
 
-    def _shutdown_workers(self) -> None:
-        """See NOTE [ Shutdown ] in pool.py."""
-        if self._shutdown:
-            return
-        self._shutdown = True
-        try:
-            if self._pool is not None:
-                self._pool.stop()
-        finally:
-            if self._scheduler is not None:
-                self._final_ring_stats = self._ring.stats()
-                self._scheduler.close()
-            self._task_info = {}  # batches buffered for reordering: never delivered, unmap them
-            self._events.clear()
-            self._early.clear()
-            loader = self._loader_ref()
-            if loader is not None and self._scheduler is not None:
-                loader._final_stats = self.stats()
-
-    def __del__(self) -> None:
-        try:
-            self._shutdown_workers()
-        except Exception:
-            pass
+    def _drop_buffered(self) -> None:
+        self._task_info = {}  # batches buffered for reordering: never delivered, unmap them
+        self._events.clear()
+        self._early.clear()

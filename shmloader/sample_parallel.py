@@ -64,14 +64,13 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
-import weakref
 
 import torch
 from torch.utils.data import IterableDataset, default_collate
 
-from . import rows, torch_private
-from .errors import LoaderBrokenError, LoaderTimeoutError, SlotProtocolError
-from .loader import POLL_SECONDS, LoaderStats, _Failure
+from . import rows
+from .errors import LoaderTimeoutError, SlotProtocolError
+from .loader import POLL_SECONDS, LoaderStats, _Failure, _PoolIter
 from .pool import Poller, WorkerPool
 from .protocol import (
     FETCHING,
@@ -250,20 +249,12 @@ class _NotResumable:
     finished = False
 
 
-class SampleParallelIter(torch_private.BaseDataLoaderIter):
+class SampleParallelIter(_PoolIter):
     """The iterator of `sample_parallel=True` (NOTE [ Samples of one batch over the workers ])."""
 
     def __init__(self, loader) -> None:
         super().__init__(loader)
         self._resumable = _NotResumable()
-        self._shutdown = False
-        self._broken: str | None = None
-        self._pool: WorkerPool | None = None
-        self._scheduler: SlotScheduler | None = None
-        self._final_ring_stats = None
-        self._batches = 0
-        self._epoch = 0
-        self._loader_ref = weakref.ref(loader)
         self._depth = max(2, loader.prefetch_factor)  # batches in flight
         self._schemas: _Schemas | None = None
         self._learning: tuple[int, int] | None = None  # (epoch, idx) whose row 0 is being learnt
@@ -296,14 +287,6 @@ class SampleParallelIter(torch_private.BaseDataLoaderIter):
         self._scheduler.send = self._pool.send
         self._everything = Poller(list(self._pool.channel_of) + list(self._pool.sentinel_of))
         self._reset(loader, first_iter=True)
-
-    @property
-    def _ring(self):
-        return self._scheduler.ring
-
-    @property
-    def _workers(self) -> list:
-        return self._pool.processes if self._pool is not None else []
 
     # -- epochs and dispatch -----------------------------------------------------------------------
 
@@ -458,12 +441,7 @@ class SampleParallelIter(torch_private.BaseDataLoaderIter):
     # -- the next batch ----------------------------------------------------------------------------
 
     def _next_data(self):
-        if self._shutdown:  # NOTE [ Shutdown ] in pool.py
-            if self._broken is not None:
-                raise LoaderBrokenError(
-                    f"this DataLoader iterator was shut down by an earlier error ({self._broken}); "
-                    "start a new epoch with iter(loader)")
-            raise StopIteration
+        self._check_open()  # NOTE [ Shutdown ] in pool.py
         try:
             batch = self._next_batch()
         except StopIteration:
@@ -524,24 +502,6 @@ class SampleParallelIter(torch_private.BaseDataLoaderIter):
             ready = self._everything.ready(0)
         return handled
 
-    def _worker_died(self, worker_id: int):
-        for message, fds in self._pool.last_words(worker_id):
-            try:
-                self._handle(worker_id, message, fds)
-            except Exception as exc:  # its Fatal: the worker's own error says more than a death
-                self._break(exc)
-                raise
-        error = self._pool.death(worker_id)
-        self._break(error)
-        raise error
-
-    def _break(self, error: BaseException) -> None:
-        """Shut down after `error`; every later next() raises LoaderBrokenError (NOTE [ Shutdown ])."""
-        if self._broken is None:
-            first = (str(error).splitlines() or [""])[0]
-            self._broken = f"{type(error).__name__}: {first}".rstrip(": ")
-        self._shutdown_workers()
-
     # -- statistics and shutdown ---------------------------------------------------------------------
 
     def stats(self) -> LoaderStats:
@@ -553,25 +513,6 @@ class SampleParallelIter(torch_private.BaseDataLoaderIter):
                            in_place_bytes=0, control_bytes=pool.control_bytes if pool else 0,
                            control_messages=pool.control_messages if pool else 0, timing=None, **shared)
 
-    def _shutdown_workers(self) -> None:
-        if self._shutdown:
-            return
-        self._shutdown = True
-        try:
-            if self._pool is not None:
-                self._pool.stop()
-        finally:
-            self._flight.clear()  # batches read ahead, never delivered: their leases go
-            self._queue.clear()
-            if self._scheduler is not None:
-                self._final_ring_stats = self._ring.stats()
-                self._scheduler.close()
-                loader = self._loader_ref()
-                if loader is not None:
-                    loader._final_stats = self.stats()
-
-    def __del__(self) -> None:
-        try:
-            self._shutdown_workers()
-        except Exception:
-            pass
+    def _drop_buffered(self) -> None:
+        self._flight.clear()  # batches read ahead, never delivered: their leases go
+        self._queue.clear()
