@@ -125,9 +125,17 @@ def matches(forecast_item: Any, real_item: Any) -> bool:
     copy yields what the real sampler yields, so this costs nothing in the common cases.
     """
     try:
+        if type(forecast_item) is list and type(real_item) is list and _ints_only(forecast_item, real_item):
+            return forecast_item == real_item  # a batch sampler's list of ints: in C, at each prime
         return _same(forecast_item, real_item)
     except Exception:
         return False
+
+
+def _ints_only(a: list, b: list) -> bool:
+    kinds = set(map(type, a))
+    kinds.update(map(type, b))
+    return kinds <= {int}
 
 
 def _same(a: Any, b: Any) -> bool:

@@ -632,6 +632,8 @@ class _ShmLoaderIter(_PoolIter):
         scheduler = self._scheduler
         while True:
             scheduler.replenish()
+            if until is not None and until():  # it may hold already (Resumed read ahead)
+                return None
             scheduler.check_not_starved()
             wait = POLL_SECONDS if deadline is None else max(0.0, min(POLL_SECONDS, deadline - time.monotonic()))
             ready = self._everything.ready(wait)
