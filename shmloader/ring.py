@@ -15,7 +15,7 @@ NOTE [ Slot lifecycle ]
   batch there and passes the fd back with its result; the main process adopts it in place of the
   old one, and the workers that still map the old one are told to forget it.  A worker that dies
   leaves its slot as it was (WRITING, say): the loader is shut down then (NOTE [ Shutdown ] in
-  loader.py) and the ring closed, so no slot is ever reused after a death and nothing resets it.
+  pool.py) and the ring closed, so no slot is ever reused after a death and nothing resets it.
 
 NOTE [ Held batches ]
   The training loop may keep as many batches as it likes (`list(loader)`, a reference cycle that
@@ -24,7 +24,7 @@ NOTE [ Held batches ]
   segment through its lease (mapped, fd closed, so a held batch costs no file descriptor), the
   slot's index starts a new generation with no segment, and the next worker to write into it
   creates a fresh one.  The held segment is unmapped when the batch's last view goes (workers
-  are told to forget it, see loader.py), so the ring is back at its working size by itself:
+  are told to forget it, see scheduler.py), so the ring is back at its working size by itself:
   nothing waits, no garbage collection is forced, and the memory is what the user holds plus the
   batches in flight, as with torch.  Only a cap the user asks for (`max_slots`, `max_bytes`)
   stops it; then RingFullError says which.
@@ -33,7 +33,7 @@ NOTE [ Ring size ]
   depth = num_workers × prefetch_factor (batches in flight, as torch counts them) + CONSUMER_SLOTS
   (batches the training loop holds: the one in use and the one being fetched).  Slots are created
   on first use, and a slot is bound to a batch only once the batch exists (NOTE [ Slot grants ] in
-  loader.py), so a loop that keeps up creates far fewer than `depth`.  Slot size is learnt from
+  scheduler.py), so a loop that keeps up creates far fewer than `depth`.  Slot size is learnt from
   the first batch (page-rounded) unless `slot_bytes` is given; a larger batch grows only its slot.
 """
 

@@ -9,7 +9,7 @@ tests/test_torch_private.py checks that each name still exists with the shape sh
 Attributes of torch's iterator base class that shmloader's iterator reads (set by torch's
 `_BaseDataLoaderIter.__init__`/`_reset`): _dataset, _dataset_kind, _index_sampler, _num_workers,
 _auto_collation, _collate_fn, _drop_last, _pin_memory, _pin_memory_device, _timeout,
-_persistent_workers, _prefetch_factor, _base_seed, _sampler_iter, _num_yielded, _next_index.
+_persistent_workers, _base_seed, _sampler_iter, _num_yielded, _next_index.
 """
 
 from __future__ import annotations

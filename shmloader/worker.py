@@ -7,7 +7,7 @@ One worker's loop (NOTE [ Slot lifecycle ] in ring.py has the slot's side):
       → collate  default: torch's collate with rows written straight into the slot
                  custom:  collate_fn(samples), array leaves copied once into the slot
       → layout   descriptor + aligned leaf offsets
-      → slot     take a slot s granted by the main process (NOTE [ Slot grants ] in loader.py;
+      → slot     take a slot s granted by the main process (NOTE [ Slot grants ] in scheduler.py;
                  wait for a "grant" message if none is in hand); a slot too small is replaced by
                  a larger segment that this worker creates (its fd travels back with the result)
       → write    claim s, copy (GIL released, in C), publish s

@@ -1,0 +1,76 @@
+"""shmloader/torch_private.py: every private torch name shmloader relies on still exists with the
+shape shmloader uses, so that a torch upgrade that moves one fails here, by name, rather than
+deep inside a worker."""
+
+from __future__ import annotations
+
+import inspect
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import Dataset, IterableDataset, get_worker_info
+
+from shmloader import torch_private
+
+pytestmark = pytest.mark.timeout(30)
+
+
+class Squares(Dataset):
+    def __len__(self):
+        return 5
+
+    def __getitem__(self, i):
+        return i * i
+
+
+class Count(IterableDataset):
+    def __iter__(self):
+        return iter(range(3))
+
+
+def test_the_iterator_base_class_and_the_attributes_shmloader_reads():
+    loader = torch.utils.data.DataLoader(Squares(), batch_size=2)
+    iterator = torch_private.SingleProcessDataLoaderIter(loader)
+    assert isinstance(iterator, torch_private.BaseDataLoaderIter)
+    doc = torch_private.__doc__
+    names = doc[doc.index("_dataset,"):].replace("\n", " ").rstrip(". ").split(", ")
+    missing = [name.strip().rstrip(".") for name in names if not hasattr(iterator, name.strip().rstrip("."))]
+    assert not missing, f"torch's iterator no longer has {missing}"
+    assert "first_iter" in inspect.signature(torch_private.BaseDataLoaderIter._reset).parameters
+
+
+def test_fetchers_for_both_dataset_kinds():
+    def identity(x):
+        return x
+
+    fetch = torch_private.create_fetcher(torch_private.DatasetKind.Map, Squares(), True, identity, False)
+    assert fetch.fetch([1, 2]) == [1, 4]
+    stream = torch_private.create_fetcher(torch_private.DatasetKind.Iterable, Count(), True, identity, False)
+    assert stream.fetch([None, None]) == [0, 1]
+    sampler = torch_private.InfiniteConstantSampler()
+    assert next(iter(sampler)) is None
+
+
+def test_collate_machinery():
+    assert torch.Tensor in torch_private.default_collate_fn_map
+    batch = torch_private.collate([np.ones(2), np.zeros(2)], collate_fn_map=torch_private.default_collate_fn_map)
+    assert torch.equal(batch, torch.tensor([[1.0, 1.0], [0.0, 0.0]], dtype=torch.float64))
+    assert torch_private.np_str_obj_array_pattern.search(np.array(["a"]).dtype.str)
+    assert "{}" in torch_private.default_collate_err_msg_format
+
+
+def test_worker_info_and_numpy_seed():
+    torch_private.set_worker_info(3, 4, 1234, Squares())
+    try:
+        info = get_worker_info()
+        assert (info.id, info.num_workers, info.seed) == (3, 4, 1234)
+    finally:
+        torch_private.set_worker_info.__globals__["_worker"]._worker_info = None
+    np.random.seed(torch_private.numpy_worker_seed(99, 1))  # a seed numpy takes
+    assert torch_private.numpy_worker_seed(99, 1) == torch_private.numpy_worker_seed(99, 1)
+    assert torch_private.numpy_worker_seed(99, 1) != torch_private.numpy_worker_seed(99, 2)
+
+
+def test_sparse_validation_hook():
+    torch_private.validate_loaded_sparse_tensors()  # nothing pending: a no-op that exists
