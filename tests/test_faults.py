@@ -174,9 +174,13 @@ def test_hang_with_timeout_raises(where, start_method, tmp_path):
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("where", ["getitem", "write"])
-def test_ctrl_c_while_waiting_on_a_hung_worker(where, tmp_path):
+def test_ctrl_c_while_waiting_on_a_hung_worker(where, tmp_path, request):
     """No timeout: the loop waits on a hung worker, and Ctrl-C still ends it at once, shutting
     the workers down and closing the ring."""
+    # Python turns SIGINT into KeyboardInterrupt only if SIGINT was not ignored when it started
+    # (a shell's background job starts with it ignored): the handler a terminal's Python has.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    request.addfinalizer(lambda: signal.signal(signal.SIGINT, previous))
     loader = _faulty.make_loader("hang", where, str(tmp_path), "fork")
     iterator = iter(loader)
     pids = [p.pid for p in iterator._workers]
