@@ -107,6 +107,33 @@ def test_batch_sizes_against_num_workers(batch_size):
     assert_same_batches(got, want)
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("start_method", ["spawn", "forkserver"])
+def test_other_start_methods(start_method):
+    """Workers that unpickle the dataset (spawn, forkserver): the same batches, and per-sample
+    seeding gives the same noise as forked workers."""
+    want, _, got = _three(Arrays(13, "dict"), seed=2, batch_size=4, num_workers=2, shuffle=True,
+                          multiprocessing_context=start_method)
+    assert_same_batches(got, want)
+    forked = collect(ShmDataLoader(Noisy(), batch_size=4, num_workers=2, generator=seeded(3), sample_parallel=True,
+                                   multiprocessing_context="fork"))
+    other = collect(ShmDataLoader(Noisy(), batch_size=4, num_workers=2, generator=seeded(3), sample_parallel=True,
+                                  multiprocessing_context=start_method))
+    assert_same_batches(other, forked)
+
+
+@pytest.mark.parametrize("max_ring_slots", [3, 4])
+def test_a_capped_ring(max_ring_slots):
+    """max_ring_slots below the mode's depth: fewer batches in flight, the same batches; the
+    cap holds (the ring never has more segments than it allows)."""
+    want = collect(DataLoader(Arrays(23, "array"), batch_size=3, num_workers=2))
+    loader = ShmDataLoader(Arrays(23, "array"), batch_size=3, num_workers=2, max_ring_slots=max_ring_slots,
+                           sample_parallel=True)
+    assert_same_batches(collect(loader), want)
+    stats = loader.stats()
+    assert stats.ring_slots <= max_ring_slots and stats.ring_bytes <= max_ring_slots * stats.slot_bytes, stats
+
+
 def test_per_sample_seeding_is_independent_of_the_workers():
     runs = [collect(ShmDataLoader(Noisy(), batch_size=4, num_workers=w, generator=seeded(3), sample_parallel=True))
             for w in (2, 3, 2)]
