@@ -217,3 +217,27 @@ def test_epochs_shorter_than_the_prefetch_window():
     side_by_side(Noisy(), batch_size=10, shuffle=True, seed=3, prefetch_factor=4)
     stats = side_by_side(Noisy(), batch_size=40, shuffle=True, seed=3, prefetched=False)  # one batch an epoch
     assert stats.prefetched_next_epoch == EPOCHS - 1, stats
+
+
+def test_out_of_order_delivery_keeps_each_epochs_batches():
+    """in_order=False: batches may come in another order, as with torch; each epoch still has
+    exactly torch's batches, prefetched ones included."""
+    def epochs_of(cls):
+        loader = cls(Noisy(), batch_size=4, num_workers=2, persistent_workers=True, in_order=False,
+                     shuffle=True, generator=torch.Generator().manual_seed(9))
+        out = [sorted(tuple(b["index"].tolist()) for b in loader) for _ in range(EPOCHS)]
+        return out, loader
+
+    want, _ = epochs_of(DataLoader)
+    got, loader = epochs_of(ShmDataLoader)
+    assert got == want
+    assert loader.stats().prefetched_next_epoch > 0
+
+
+def test_stats_count_kept_batches_and_misses_in_the_dict_form():
+    loader = ShmDataLoader(Noisy(), batch_size=4, num_workers=2, persistent_workers=True, shuffle=True,
+                           generator=torch.Generator().manual_seed(1))
+    for _ in range(EPOCHS):
+        list(loader)
+    data = loader.stats().as_dict()
+    assert data["prefetched_next_epoch"] == 4 * (EPOCHS - 1) and data["forecast_misses"] == 0, data
