@@ -517,6 +517,7 @@ class _ShmLoaderIter(_PoolIter):
             self._ahead = epochs.make(self._index_sampler, count, self._epoch + 1, dataset=self._dataset)
             if self._ahead is not None and len(self._ahead):
                 self._send_resume(self._epoch + 1)  # the workers see it after epoch e's last task
+                torch_private.is_iter_datapipe(self._dataset)  # warm what the next _reset asks
         ahead = self._ahead
         if ahead is None or self._ahead_sent >= len(ahead) or self._tasks_outstanding + self._ahead_sent >= count:
             return
