@@ -251,25 +251,32 @@ cdef class SlotArena:
 
     After release the arena belongs to csrc/arena.h's list until its last block is freed; it
     keeps `segment` mapped until then.
+
+    `SlotArena(segment, begin, min_bytes, end=begin + n, exact=True)` is one block of exactly
+    [begin, end): the first request of n bytes gets it (a row of sample_parallel's batch).
     """
 
     cdef shm_arena *_a
     cdef object _previous
     cdef char *_base
 
-    def __cinit__(self, Segment segment, uint64_t begin, uint64_t min_bytes):
+    def __cinit__(self, Segment segment, uint64_t begin, uint64_t min_bytes, uint64_t end=0,
+                  bint exact=False):
         global shm_arenas
         if segment._base == NULL:
             raise ValueError("slot segment is unmapped")
-        if begin > segment._size:
-            raise ValueError(f"arena start {begin} lies past the {segment._size}-byte slot")
+        if end == 0:
+            end = segment._size
+        if begin > end or end > segment._size:
+            raise ValueError(f"arena [{begin}, {end}) does not lie in the {segment._size}-byte slot")
         cdef shm_arena *a = <shm_arena *>PyMem_RawMalloc(sizeof(shm_arena))
         if a == NULL:
             raise MemoryError()
         a.lo = segment._base + begin
-        a.hi = segment._base + segment._size
+        a.hi = segment._base + end
         a.cursor = a.lo
         a.min_bytes = min_bytes
+        a.exact = exact
         a.live = 0
         a.open = 0
         a.released = 0
@@ -310,6 +317,11 @@ cdef class SlotArena:
         if self._a == NULL:
             raise ValueError("this slot arena has been released")
         return (<uint64_t>(self._a.cursor - self._base) + SHM_ARENA_ALIGN - 1) // SHM_ARENA_ALIGN * SHM_ARENA_ALIGN
+
+    @property
+    def taken(self):
+        """Whether any block has been handed out."""
+        return self._a != NULL and self._a.cursor != self._a.lo
 
     @property
     def live(self):

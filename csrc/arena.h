@@ -13,6 +13,11 @@
  * heap.  Memory is never reused inside an arena: a block freed before the batch is written is
  * simply lost space in the slot.
  *
+ * An exact arena (sample_parallel's rows, shmloader/sample_parallel.py) is one block: [lo, hi)
+ * itself, handed out only to the first request of exactly hi - lo bytes, with no size prefix (the
+ * bytes before lo are another row's).  A row-sized array the dataset makes is then born in its
+ * row.
+ *
  * Every arena with a block still alive stays in a process-wide list (guarded by the GIL: numpy
  * allocates and frees array data with the GIL held), so a block freed later, when its batch has
  * long been sent, is recognised and not passed to free(3).  An arena keeps a reference to its
@@ -34,6 +39,7 @@
 typedef struct shm_arena {
     char *lo, *hi, *cursor;
     uint64_t min_bytes;
+    int exact;        /* one block, [lo, hi) exactly, no size prefix */
     int64_t live;     /* blocks handed out and not yet freed */
     int open;         /* handing out blocks (only while the collate_fn runs) */
     int released;     /* the worker is done with it: freed when `live` drops to 0 */
@@ -62,6 +68,12 @@ static inline void shm_arena_unlink_and_free(shm_arena *a) {
 static inline void *shm_arena_take(size_t size) {
     shm_arena *a = shm_arena_open;
     if (a == NULL || !a->open || size < a->min_bytes) return NULL;
+    if (a->exact) {
+        if (a->cursor != a->lo || size != (size_t)(a->hi - a->lo)) return NULL;
+        a->cursor = a->hi;
+        a->live++;
+        return a->lo;
+    }
     uintptr_t at = ((uintptr_t)a->cursor + SHM_ARENA_ALIGN - 1) & ~(uintptr_t)(SHM_ARENA_ALIGN - 1);
     char *block = (char *)at + SHM_ARENA_ALIGN;
     if (block > a->hi || size > (size_t)(a->hi - block)) return NULL;
@@ -95,7 +107,7 @@ static void *shm_arena_realloc(void *ctx, void *ptr, size_t new_size) {
     (void)ctx;
     shm_arena *a = ptr != NULL ? shm_arena_of(ptr) : NULL;
     if (a == NULL) return realloc(ptr, new_size ? new_size : 1);
-    uint64_t old_size = *(uint64_t *)((char *)ptr - SHM_ARENA_ALIGN);
+    uint64_t old_size = a->exact ? (uint64_t)(a->hi - a->lo) : *(uint64_t *)((char *)ptr - SHM_ARENA_ALIGN);
     void *q = malloc(new_size ? new_size : 1); /* a resized block moves to the heap */
     if (q == NULL) return NULL;
     memcpy(q, ptr, old_size < new_size ? (size_t)old_size : new_size);

@@ -50,6 +50,7 @@ cdef extern from "arena.h":
         char *hi
         char *cursor
         uint64_t min_bytes
+        int exact
         int64_t live
         int open
         int released

@@ -17,9 +17,11 @@ version (a spawned interpreter that imports another shmloader) refuses to start,
     Rewind(epoch, idx)
   sample_parallel=True (sample_parallel.py):
     Learn(epoch, idx, size, index)               Schema(epoch, idx, schema bytes)
-    Schema(epoch, idx, schema bytes)             RowsDone(epoch, idx, count)
+    Schema(epoch, idx, schema bytes)             RowsDone(epoch, idx, count, in-place bytes)
     Rows(epoch, idx, slot, generation, capacity,       (a failing row: Failed, as above)
-         size, first_row, indices) [+ fd the first time it sees the slot's generation]
+         size, first_row, indices)               Kept(slot, generation)   the dataset keeps an
+         [+ fd the first time it sees the              array born in a row of that segment
+          slot's generation]
 
 NOTE [ Status board ]
   One shared segment, made by the main process and mapped by every worker (its fd comes with
@@ -39,7 +41,7 @@ from . import _ring
 from .errors import SlotProtocolError
 from .timing import MAX_STAGES, STATUS_BLOCK_BYTES
 
-PROTOCOL_VERSION = 2  # 1: the positional tuples of shmloader <= 0.x; 2: typed messages
+PROTOCOL_VERSION = 3  # 1: positional tuples (shmloader <= 0.x); 2: typed messages; 3: rows in place
 
 
 # -- main process -> worker ----------------------------------------------------------------------
@@ -169,15 +171,24 @@ class Rows(NamedTuple):
 
 
 class RowsDone(NamedTuple):
-    """`count` rows of batch `idx` are written in its slot."""
+    """`count` rows of batch `idx` are written in its slot, `in_place` bytes of them by the
+    dataset itself (born in their row: NOTE [ Rows born in place ] in sample_parallel.py)."""
     epoch: int
     idx: int
     count: int
+    in_place: int
+
+
+class Kept(NamedTuple):
+    """The dataset keeps an array born in a row of `slot`'s segment `generation` (a cache): that
+    segment must never be written again (sent before the chunk's RowsDone or Failed)."""
+    slot: int
+    generation: int
 
 
 MESSAGES: tuple[type, ...] = (Hello, Task, Grant, Forget, Resume, Stop,
                               Ready, Failed, End, State, Resumed, Fatal, Rewind,
-                              Learn, Schema, Rows, RowsDone)
+                              Learn, Schema, Rows, RowsDone, Kept)
 _TAG = {kind: tag for tag, kind in enumerate(MESSAGES)}
 
 

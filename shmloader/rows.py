@@ -77,6 +77,9 @@ __all__ = [
 
 _ADVICE = "use the default mode (sample_parallel=False) or make it an array"
 
+# A row smaller than this is not worth an arena (it is copied: a few microseconds).
+IN_PLACE_MIN_BYTES = 16 * 1024
+
 
 class RowsUnsupportedError(LayoutError):
     """A sample's leaf or container whose collated form is not a stack of rows (a TypeError, via
@@ -155,6 +158,14 @@ class RowSchema:
     def row_nbytes(self) -> int:
         """Bytes one sample adds to the batch (its leaves, alignment not counted)."""
         return sum(leaf.row_nbytes for leaf in self.leaves)
+
+    @property
+    def in_place_leaf(self) -> RowLeaf | None:
+        """The leaf whose rows a dataset may allocate in place (the largest array leaf of at
+        least IN_PLACE_MIN_BYTES a row; NOTE [ Rows born in place ] in sample_parallel.py)."""
+        arrays = [leaf for leaf in self.leaves
+                  if leaf.kind in ("ndarray", "tensor") and leaf.row_nbytes >= IN_PLACE_MIN_BYTES]
+        return max(arrays, key=lambda leaf: leaf.row_nbytes, default=None)
 
     def resized(self, batch_size: int) -> RowSchema:
         """The schema of a batch of `batch_size` such samples (a short last batch)."""
@@ -379,9 +390,14 @@ def _torch_refusal(leaf: RowLeaf, value: np.ndarray, row: int):
     raise _mismatch("cannot stack samples", leaf.path, row, leaf.describe(), _describe(value))
 
 
-def write_row(segment, schema: RowSchema, row: int, sample) -> None:
+def write_row(segment, schema: RowSchema, row: int, sample, born_in_row: bool = False) -> int:
     """Check `sample` against `schema` and copy its leaves to row `row` of the batch in
-    `segment` (a slot claimed for the batch); nothing is written if the check fails."""
+    `segment` (a slot claimed for the batch); nothing is written if the check fails.
+
+    With `born_in_row`, the sample was fetched with schema.in_place_leaf's row `row` as an
+    arena: a leaf already there (C-contiguous, that address) is not copied, and any other value
+    whose memory lies in that row is copied out first, so no write reads bytes another write has
+    overwritten.  Returns the bytes found in place."""
     if not 0 <= row < schema.batch_size:
         raise IndexError(f"row {row} is outside a batch of {schema.batch_size}")
     if segment.size < schema.total_bytes:
@@ -389,14 +405,58 @@ def write_row(segment, schema: RowSchema, row: int, sample) -> None:
     values: list = []
     _gather(schema.tree, sample, "batch", row, values)
     ready = [_check_leaf(leaf, value, row) for leaf, value in zip(schema.leaves, values)]
+    done = None
+    if born_in_row:
+        done, ready = _in_place(segment, schema, row, ready)
     for leaf, value in zip(schema.leaves, ready):
         at = leaf.offset + row * leaf.row_nbytes
+        if leaf is done:
+            continue
         if type(value) is bytes:
             segment.write(at, value)
         elif type(value) is np.ndarray:
             layout._copy_numpy(segment, at, value, c_order=True)
         else:
             layout._copy_tensor(segment, at, value)
+    return done.row_nbytes if done is not None else 0
+
+
+def _in_place(segment, schema: RowSchema, row: int, ready: list) -> tuple[RowLeaf | None, list]:
+    """(the in-place leaf if its value is born exactly in its row, else None; the values, those
+    that share bytes with that row otherwise copied out)."""
+    target = schema.in_place_leaf
+    row_lo = segment.address + target.offset + row * target.row_nbytes
+    row_hi = row_lo + target.row_nbytes
+    done, out = None, []
+    for leaf, value in zip(schema.leaves, ready):
+        if type(value) is not bytes:
+            lo, hi = _memory_bounds(value)
+            if lo < row_hi and row_lo < hi:  # born in the row
+                if leaf is target and _data_address(value) == row_lo and _c_contiguous(value):
+                    done = leaf
+                else:  # another leaf, or a view of the row (a transpose...): copy it out first
+                    value = value.copy() if type(value) is np.ndarray else value.clone()
+        out.append(value)
+    return done, out
+
+
+def _memory_bounds(value) -> tuple[int, int]:
+    """The addresses [lo, hi) that an array's or a tensor's elements may occupy."""
+    if type(value) is np.ndarray:
+        return _byte_bounds(value)
+    storage = value.untyped_storage()
+    return storage.data_ptr(), storage.data_ptr() + storage.nbytes()
+
+
+def _data_address(value) -> int:
+    return value.__array_interface__["data"][0] if type(value) is np.ndarray else value.data_ptr()
+
+
+def _c_contiguous(value) -> bool:
+    return value.flags.c_contiguous if type(value) is np.ndarray else value.is_contiguous()
+
+
+_byte_bounds = getattr(getattr(np.lib, "array_utils", None), "byte_bounds", None) or np.byte_bounds
 
 
 def publish_batch(segment, schema: RowSchema) -> None:

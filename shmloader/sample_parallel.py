@@ -49,6 +49,25 @@ NOTE [ Samples of one batch over the workers ]
   default mode, which seed each worker once; data that draw no random numbers are identical.
   get_worker_info() and worker_init_fn behave as in the default mode (the worker's own seed).
 
+NOTE [ Rows born in place ]
+  A dataset that makes its sample's array (np.random.random(shape), np.empty then fill, a
+  decoder's output) would have it copied into its row: one more pass over every byte, on the
+  workers' cores.  Instead, while a worker fetches row r, numpy's allocator is pointed at that
+  row of the schema's largest array leaf (`RowSchema.in_place_leaf`): an exact slot arena
+  (csrc/arena.h), which hands out only the first allocation of exactly that row's size, at the
+  row's address.  If the sample's leaf is that array, `rows.write_row` finds it in place and
+  copies nothing; anything else (a temporary of that size, a transposed view) is copied as
+  before, values sharing the row copied out first.  RowsDone reports the bytes found in place
+  (`stats().in_place_bytes`).
+  A dataset that keeps an array it returned (a cache) must never see the row written again.
+  Each worker first fetches one sample with a private one-row arena (a probe): if the dataset
+  keeps that array, the worker never fetches in place (the probe's row of memory stays with the
+  cache).  If a dataset keeps a later array born in a row (the arena still has a live block once
+  the sample is written and dropped), the worker sends Kept(slot, generation) before its
+  RowsDone and stops fetching in place; the main process then gives that slot a new segment the
+  next time it claims it, and the worker's old mapping stays with the cache.  Off with
+  SHMLOADER_SLOT_ARENA=0, as the default mode's arena.
+
   Scope.  Map-style datasets with the default collate_fn (torch's default_collate) and a batch
   size (batch_size or batch_sampler).  An IterableDataset, a custom collate_fn or batch_size=None
   is a ValueError at construction, naming what and saying to use the default mode.  A dataset
@@ -79,6 +98,7 @@ from .protocol import (
     WRITING,
     Failed,
     Fatal,
+    Kept,
     Learn,
     Rows,
     RowsDone,
@@ -86,6 +106,7 @@ from .protocol import (
 )
 from .ring import CONSUMER_SLOTS
 from .scheduler import SlotScheduler
+from ._ring import HEADER_BYTES, SlotArena
 from .segment import create_segment, slot_capacity
 from .worker import Shipped, WorkerSpec, exception_payload
 
@@ -150,11 +171,28 @@ class _Schemas:
 
 
 class _RowsWorker:
-    """A worker's state in this mode: the schema, and the sample it learnt the schema from."""
+    """A worker's state in this mode: the schema, the sample it learnt the schema from, and
+    whether it fetches rows in place (NOTE [ Rows born in place ])."""
 
     def __init__(self):
         self.schemas: _Schemas | None = None
         self.kept = None  # (epoch, idx, sample): row 0 of the batch the schema was learnt from
+        # None: not probed yet; then True / False for good
+        self.in_place = None if os.environ.get("SHMLOADER_SLOT_ARENA", "1") != "0" else False
+
+    def arena_for(self, segment, schema: rows.RowSchema, epoch: int, idx: int, row: int):
+        """(the arena to fetch row `row` of batch `idx` with, whether it is the row itself), or
+        (None, False) (NOTE [ Rows born in place ])."""
+        leaf = schema.in_place_leaf
+        if leaf is None or self.in_place is False or (row == 0 and self.kept is not None
+                                                      and self.kept[:2] == (epoch, idx)):
+            return None, False  # (the sample the schema was learnt from is fetched already)
+        if self.in_place is None:  # the probe: a private row
+            probe = create_segment(HEADER_BYTES + leaf.row_nbytes, 1, "a one-row probe of whether the dataset keeps its samples")
+            probe.close_fd()
+            return SlotArena(probe, HEADER_BYTES, 0, HEADER_BYTES + leaf.row_nbytes, True), False
+        at = leaf.offset + row * leaf.row_nbytes
+        return SlotArena(segment, at, 0, at + leaf.row_nbytes, True), True
 
     def fetch(self, worker, epoch: int, idx: int, row: int, index):
         """Sample `index` as row `row` of batch `idx`: seeded for that row (NOTE above)."""
@@ -187,6 +225,7 @@ class _RowsWorker:
         # Not populated: this worker writes a few rows of it (a mismatch is a protocol error).
         segment = worker._attach(slot, generation, capacity, fds, populate=False)
         stage, row = worker.stage, first_row
+        arena, in_row, in_place, done = None, False, 0, None
         try:
             if worker.init_error is not None:
                 stage, payload = worker.init_error
@@ -198,15 +237,35 @@ class _RowsWorker:
             schema = self.schemas.get(size)
             for row, index in enumerate(indices, first_row):
                 stage = worker._enter(FETCHING, idx)
-                sample = self.fetch(worker, epoch, idx, row, index)
+                arena, in_row = self.arena_for(segment, schema, epoch, idx, row)
+                if arena is None:
+                    sample = self.fetch(worker, epoch, idx, row, index)
+                else:
+                    with arena:
+                        sample = self.fetch(worker, epoch, idx, row, index)
                 stage = worker._enter(WRITING, idx)
-                rows.write_row(segment, schema, row, sample)
+                in_place += rows.write_row(segment, schema, row, sample, in_row)
                 del sample
+                if arena is not None:
+                    self.settle(worker, arena, in_row, slot, generation)
+                    arena = None
         except Exception as exc:
-            worker.channel.send(Failed(epoch, idx, f"{stage}, at row {row} (index {indices[row - first_row]!r})",
-                                       exception_payload(exc)))
-            return
-        worker.channel.send(RowsDone(epoch, idx, len(indices)))
+            done = Failed(epoch, idx, f"{stage}, at row {row} (index {indices[row - first_row]!r})",
+                          exception_payload(exc))
+        if arena is not None:  # a fetch or a write raised: the traceback is gone by now
+            self.settle(worker, arena, in_row, slot, generation)
+        worker.channel.send(done or RowsDone(epoch, idx, len(indices), in_place))
+
+    def settle(self, worker, arena, in_row: bool, slot: int, generation: int) -> None:
+        """The sample is written and dropped: does the dataset keep an array born in the arena?
+        (NOTE [ Rows born in place ])"""
+        kept = arena.release()
+        if self.in_place is None and not in_row:
+            self.in_place = kept == 0  # the probe's answer (later keeps: Kept, below)
+        elif kept:
+            self.in_place = False
+            if in_row:
+                worker.channel.send(Kept(slot, generation))
 
 
 def worker_handle(worker, message, fds: list[int]) -> None:
@@ -260,6 +319,8 @@ class SampleParallelIter(_PoolIter):
         self._learning: tuple[int, int] | None = None  # (epoch, idx) whose row 0 is being learnt
         self._flight: dict[tuple[int, int], _Batch] = {}  # drawn, not delivered (stale epochs too)
         self._queue: list[_Batch] = []  # drawn, not yet sent to the workers
+        self._kept_segments: set[tuple[int, int]] = set()  # (slot, generation) a dataset keeps rows of
+        self._in_place_bytes = 0
         pinner = None
         if self._pin_memory:
             from .cuda import SlotPinner
@@ -346,8 +407,10 @@ class SampleParallelIter(_PoolIter):
         slot = ring.take_free_slot(created_only=not create)
         generation, capacity, hint = ring.task_geometry(slot)
         needed = self._schemas.get(len(batch.indices)).total_bytes
+        kept = (slot, generation) in self._kept_segments
         try:
-            if capacity < needed:
+            if capacity < needed or kept:  # (a kept segment stays with the worker's cache)
+                self._kept_segments.discard((slot, generation))
                 segment = create_segment(slot_capacity(needed, capacity, hint), generation + 1,
                                          f"slot {slot} of the ring ({ring.depth} slots)", populate=False)
                 try:
@@ -396,6 +459,9 @@ class SampleParallelIter(_PoolIter):
             return
         if kind is Fatal:
             _Failure(worker_id, self._workers[worker_id].pid, None, message.stage, message.payload).reraise()
+        if kind is Kept:  # NOTE [ Rows born in place ]: a new segment when the slot is next claimed
+            self._kept_segments.add((message.slot, message.generation))
+            return
         if kind is not RowsDone and kind is not Failed:
             raise SlotProtocolError(f"unexpected message {message!r:.200} from worker {worker_id}")
         key = (message.epoch, message.idx)
@@ -418,6 +484,8 @@ class SampleParallelIter(_PoolIter):
             row = batch.first_row.get(worker_id, 0)
             if batch.failure is None or row < batch.first_row.get(batch.failure.worker_id, 0):
                 batch.failure = failure
+        if failure is None:
+            self._in_place_bytes += message.in_place
         batch.left -= 1
         if batch.left == 0:
             self._complete(batch)
@@ -510,7 +578,7 @@ class SampleParallelIter(_PoolIter):
                   if f.name not in ("slots", "allocated_slots")}
         pool = self._pool
         return LoaderStats(ring_slots=ring.slots, reserved_bytes=ring.reserved_bytes, batches=self._batches,
-                           in_place_bytes=0, control_bytes=pool.control_bytes if pool else 0,
+                           in_place_bytes=self._in_place_bytes, control_bytes=pool.control_bytes if pool else 0,
                            control_messages=pool.control_messages if pool else 0, timing=None, **shared)
 
     def _drop_buffered(self) -> None:

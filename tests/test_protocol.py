@@ -34,7 +34,8 @@ EXAMPLES = [
     protocol.Learn(0, 0, 128, 17),
     protocol.Schema(0, 0, b"schema"),
     protocol.Rows(0, 3, 2, 1, 1 << 20, 128, 32, [4, 5, 6]),
-    protocol.RowsDone(0, 3, 16),
+    protocol.RowsDone(0, 3, 16, 16 * 1200000),
+    protocol.Kept(2, 5),
 ]
 
 
