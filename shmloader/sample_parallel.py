@@ -88,6 +88,7 @@ import torch
 from torch.utils.data import IterableDataset, default_collate
 
 from . import rows
+from ._ring import HEADER_BYTES, SlotArena
 from .errors import LoaderTimeoutError, SlotProtocolError
 from .loader import POLL_SECONDS, LoaderStats, _Failure, _PoolIter
 from .pool import Poller, WorkerPool
@@ -106,7 +107,6 @@ from .protocol import (
 )
 from .ring import CONSUMER_SLOTS
 from .scheduler import SlotScheduler
-from ._ring import HEADER_BYTES, SlotArena
 from .segment import create_segment, slot_capacity
 from .worker import Shipped, WorkerSpec, exception_payload
 

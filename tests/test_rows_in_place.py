@@ -225,7 +225,7 @@ def test_write_row_skips_a_leaf_in_place_and_copies_out_what_shares_the_row():
     assert done == ROW_BYTES  # row 0's "a" only
     leaves = {leaf.path: leaf for leaf in schema.leaves}
 
-    def value(path, row, shape=SHAPE):
+    def value(path, row, shape=SHAPE, segment=segment):
         leaf = leaves[path]
         return np.frombuffer(segment, np.float64, SHAPE[0] * SHAPE[1], leaf.offset + row * leaf.row_nbytes).reshape(shape)
 
@@ -235,7 +235,7 @@ def test_write_row_skips_a_leaf_in_place_and_copies_out_what_shares_the_row():
     np.testing.assert_array_equal(value("batch['b']", 1), _values(21))
     np.testing.assert_array_equal(value("batch['a']", 2), _values(31, SHAPE[::-1]).T)
     np.testing.assert_array_equal(value("batch['b']", 2), _values(31, SHAPE[::-1]).T)
-    del segment
+    del segment, value
     gc.collect()
 
 
