@@ -34,7 +34,8 @@ NOTE [ Rows of one batch ]
     path and the row) and copies each leaf to row r's place, through the same copies as the
     default mode (layout._copy_numpy / _copy_tensor: one memcpy with the GIL released for a
     contiguous leaf, values in C order for a strided one).  It checks everything before it copies
-    anything, so a rejected sample leaves the slot untouched.
+    anything, so a rejected sample leaves the slot untouched.  A leaf the dataset allocated in
+    its row (`born_in_row`: NOTE [ Rows born in place ] in sample_parallel.py) is not copied.
   * Publishing.  Whoever claimed the slot (segment.claim) waits until all n rows are reported
     written, then calls `publish_batch(segment, schema)`: it writes the descriptor and publishes
     (WRITING -> READY) with payload_end = total_bytes, as layout.write_batch + segment.publish do

@@ -75,7 +75,7 @@ NOTE [ Rows born in place ]
   as the default mode does (there is nothing to spread).  persistent_workers, timeout,
   pin_memory (the slots are page-locked as in the default mode), held batches (list(loader):
   NOTE [ Held batches ] in ring.py) and stats() work as in the default mode (stats().timing is
-  None); in_order=False delivers in order anyway; state_dict() / load_state_dict() raise.
+  None; in_place_bytes counts rows born in place); in_order=False delivers in order anyway; state_dict() / load_state_dict() raise.
 """
 
 from __future__ import annotations
