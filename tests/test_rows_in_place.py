@@ -97,6 +97,15 @@ def test_rows_made_by_the_dataset_are_not_copied(form):
     del it, loader
 
 
+@pytest.mark.parametrize("start_method", ["spawn", "forkserver"])
+def test_in_place_with_other_start_methods(start_method):
+    it = iter(_loader(Made(18, "dict"), multiprocessing_context=start_method))
+    got = collect(it)
+    assert it.stats().in_place_bytes == (18 - 1 - 2) * ROW_BYTES
+    assert_same_batches(got, collect(DataLoader(Made(18, "dict"), batch_size=6)))
+    del it
+
+
 def test_off_with_the_arena_switch(monkeypatch):
     monkeypatch.setenv("SHMLOADER_SLOT_ARENA", "0")
     it = iter(_loader(Made(12)))
