@@ -94,11 +94,12 @@ CONSUMERS = {"touch": touch, "read": read_all, "step": step}
 class MemWatch:
     """Talks to ``python -m bench.memwatch <this pid>`` over its stdin/stdout."""
 
-    def __init__(self, enabled: bool = True):
+    def __init__(self, enabled: bool = True, min_pss_interval: float | None = None):
         self.proc = None
         if enabled:
+            extra = [] if min_pss_interval is None else ["--min-pss-interval", str(min_pss_interval)]
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "bench.memwatch", str(os.getpid())],
+                [sys.executable, "-m", "bench.memwatch", str(os.getpid()), *extra],
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 text=True,

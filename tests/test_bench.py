@@ -279,6 +279,42 @@ def test_memwatch_sees_shared_memory():
     assert got["max_procs"] >= 1
 
 
+def _hold_anon(nbytes: int, seconds: float, ready) -> None:
+    block = np.ones(nbytes, np.uint8)  # faulted in: resident anonymous memory
+    ready.set()
+    time.sleep(seconds)
+    del block
+
+
+@pytest.mark.timeout(60)
+def test_memwatch_catches_a_peak_between_two_pss_samples():
+    """PSS only at start and stop (30 s apart at most): a worker's 128 MiB held for 0.4 s in
+    between is seen by the 5 ms RssAnon path alone; memory a forked child merely shares with
+    its parent is not counted."""
+    import multiprocessing
+
+    inherited = np.ones(96 * MiB, np.uint8)  # the parent's: a forked child shares these pages
+    context = multiprocessing.get_context("fork")
+    with MemWatch(min_pss_interval=30) as w:
+        w.start()
+        ready = context.Event()
+        idle = context.Process(target=time.sleep, args=(0.6,))
+        idle.start()
+        time.sleep(0.3)
+        shared_only = w.stop()
+        idle.join()
+        w.start()
+        child = context.Process(target=_hold_anon, args=(128 * MiB, 0.4, ready))
+        child.start()
+        assert ready.wait(20)
+        child.join()
+        got = w.stop()
+    del inherited
+    assert shared_only["peak_mem_bytes"] < 32 * MiB, shared_only
+    assert got["pss_samples"] == 1 and got["fast_samples"] > 10, got
+    assert got["peak_mem_bytes"] >= 120 * MiB, got
+
+
 @pytest.mark.timeout(10)
 def test_ring_info_reads_stats_and_sizes_the_full_ring():
     from dataclasses import dataclass
