@@ -353,7 +353,8 @@ def _run_driven(t: Transport, p: Point, watch: MemWatch, dataset, drive) -> dict
         peak_mem_bytes=mem.get("peak_mem_bytes"),
         peak_shm_bytes=mem.get("peak_shm_bytes"),
         max_procs=mem.get("max_procs"),
-        pss_samples=mem.get("pss_samples"),  # few on a busy machine: peak_mem may miss a peak
+        pss_samples=mem.get("pss_samples"),  # few on a busy machine: between them, fast_samples
+        fast_samples=mem.get("fast_samples"),  # (the last PSS + anonymous memory gained since)
         foreign_cpu_s=other_cpu_seconds(others0, other_cpu(skip)),
         wall_s=time.perf_counter() - t0,
     )

@@ -409,7 +409,8 @@ def rows_table(doc: dict) -> str:
         if ns:
             out.append(f"  bench.memwatch took {min(ns)}-{max(ns)} PSS samples per run (one every "
                        "20x the time a sample takes: smaps_rollup of processes mapping GBs is "
-                       "slow; nice 19); /dev/shm every 5 ms")
+                       "slow; nice 19); every 5 ms between them: /dev/shm, and the last PSS plus "
+                       "the anonymous memory (statm) each process gained since")
         if undersampled:
             out.append(f"  peak mem below peak shm for {', '.join(undersampled)}: PSS was not "
                        "sampled at that peak; their peak mem is a lower bound")
