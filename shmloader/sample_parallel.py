@@ -225,7 +225,7 @@ class _RowsWorker:
         # Not populated: this worker writes a few rows of it (a mismatch is a protocol error).
         segment = worker._attach(slot, generation, capacity, fds, populate=False)
         stage, row = worker.stage, first_row
-        arena, in_row, in_place, done = None, False, 0, None
+        arena, in_row, in_place, done, sample = None, False, 0, None, None
         try:
             if worker.init_error is not None:
                 stage, payload = worker.init_error
@@ -245,7 +245,7 @@ class _RowsWorker:
                         sample = self.fetch(worker, epoch, idx, row, index)
                 stage = worker._enter(WRITING, idx)
                 in_place += rows.write_row(segment, schema, row, sample, in_row)
-                del sample
+                sample = None
                 if arena is not None:
                     self.settle(worker, arena, in_row, slot, generation)
                     arena = None
@@ -253,6 +253,7 @@ class _RowsWorker:
             done = Failed(epoch, idx, f"{stage}, at row {row} (index {indices[row - first_row]!r})",
                           exception_payload(exc))
         if arena is not None:  # a fetch or a write raised: the traceback is gone by now
+            sample = None  # noqa: F841 (ours: only the dataset's references may keep the arena alive)
             self.settle(worker, arena, in_row, slot, generation)
         worker.channel.send(done or RowsDone(epoch, idx, len(indices), in_place))
 

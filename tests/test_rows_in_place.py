@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from shmloader import ShmDataLoader, layout, rows
+from shmloader import BatchShapeError, ShmDataLoader, layout, rows
 from shmloader._ring import SlotArena
 from shmloader.segment import create_segment
 
@@ -137,6 +137,28 @@ def test_a_caching_dataset_keeps_its_samples_intact(after):
     else:
         assert 0 < in_place <= 2 * after * ROW_BYTES  # until a worker's first kept row
     del loader, reference
+
+
+def test_a_rejected_row_born_in_place_does_not_stop_the_rest():
+    """Index 13 is born in its row (int64: the row's size) but has the wrong dtype: its batch
+    raises, and the worker goes on fetching in place (the rejected sample is not a 'kept' one)."""
+    class WrongDtypeAt(Made):
+        def __getitem__(self, i):
+            if i == 13:
+                return np.random.default_rng(i).integers(0, 9, SHAPE)
+            return _values(i)
+
+    it = iter(_loader(WrongDtypeAt(30)))
+    got = []
+    with pytest.raises(BatchShapeError, match="row 1"):
+        for batch in it:
+            got.append(batch.clone())
+    got += [batch.clone() for batch in it]
+    want = collect(DataLoader(Made(30), batch_size=6))
+    assert_same_batches(got, want[:2] + want[3:])
+    # All rows but the learnt one, the two probes and batch 2's failed chunk (rows 12-14).
+    assert it.stats().in_place_bytes == (30 - 1 - 2 - 3) * ROW_BYTES
+    del it
 
 
 def test_a_failing_sample_after_allocating_its_row():
