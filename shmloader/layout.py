@@ -442,15 +442,50 @@ def _copy_tensor(segment: _ring.Segment, offset: int, tensor: torch.Tensor) -> N
         target.view(tensor.shape).copy_(tensor)
 
 
-def write_batch(segment: _ring.Segment, plan: BatchPlan) -> None:
+def memory_bounds(value) -> tuple[int, int]:
+    """The addresses [lo, hi) that an array's or a tensor's elements may occupy."""
+    if type(value) is np.ndarray:
+        return _byte_bounds(value)
+    storage = value.untyped_storage()
+    return storage.data_ptr(), storage.data_ptr() + storage.nbytes()
+
+
+def data_address(value) -> int:
+    return value.__array_interface__["data"][0] if type(value) is np.ndarray else value.data_ptr()
+
+
+def c_contiguous(value) -> bool:
+    return value.flags.c_contiguous if type(value) is np.ndarray else value.is_contiguous()
+
+
+def _plain_bytes(row) -> bool:
+    """Whether a row's memory holds its values as they are (C order, no conj / neg bit)."""
+    if type(row) is np.ndarray:
+        return row.flags.c_contiguous
+    return row.is_contiguous() and not row.is_conj() and not row.is_neg()
+
+
+_byte_bounds = getattr(getattr(np.lib, "array_utils", None), "byte_bounds", None) or np.byte_bounds
+
+
+def write_batch(segment: _ring.Segment, plan: BatchPlan, rows_in_slot: bool = False) -> int:
     """Copy every leaf (but those already in place) and the descriptor into a slot the caller
-    has claimed."""
-    for offset, leaf in plan.leaves:
+    has claimed; returns the bytes of stacked rows found in place.
+
+    `rows_in_slot`: samples may have been born in this slot (NOTE [ Samples born in the slot ]
+    in samples_in_slot.py).  A row already at its place (C-contiguous, that address) is not
+    copied, and every other source whose memory lies in the slot is copied out first, so that
+    no write reads bytes another write has overwritten."""
+    leaves = _settle_sources(segment, plan.leaves) if rows_in_slot else plan.leaves
+    in_place = 0
+    for offset, leaf in leaves:
         if type(leaf) is StackedLeaf:
             row_bytes = leaf.row_nbytes
             for i, row in enumerate(leaf.rows):
                 at = offset + i * row_bytes
-                if isinstance(row, np.ndarray):
+                if row is None:
+                    in_place += row_bytes
+                elif isinstance(row, np.ndarray):
                     _copy_numpy(segment, at, row, c_order=True)
                 else:
                     _copy_tensor(segment, at, row.resolve_conj().resolve_neg())
@@ -459,6 +494,35 @@ def write_batch(segment: _ring.Segment, plan: BatchPlan) -> None:
         else:
             _copy_tensor(segment, offset, leaf)
     segment.write(plan.descriptor_offset, plan.descriptor)
+    return in_place
+
+
+def _settle_sources(segment: _ring.Segment, leaves: list) -> list:
+    """`leaves` with each stacked row already at its place in `segment` replaced by None (nothing
+    to copy) and every other source lying in the segment replaced by a copy of it."""
+    lo, hi = segment.address, segment.address + segment.size
+
+    def outside(value):
+        start, end = memory_bounds(value)
+        if end <= lo or hi <= start:
+            return value
+        return value.copy() if type(value) is np.ndarray else value.clone()
+
+    settled = []
+    for offset, leaf in leaves:
+        if type(leaf) is StackedLeaf:
+            row_bytes = leaf.row_nbytes
+            rows = []
+            for i, row in enumerate(leaf.rows):
+                if row_bytes and data_address(row) == lo + offset + i * row_bytes and _plain_bytes(row):
+                    rows.append(None)
+                else:
+                    rows.append(outside(row))
+            leaf = StackedLeaf(rows, leaf.dtype, leaf.row_shape)
+        else:
+            leaf = outside(leaf)
+        settled.append((offset, leaf))
+    return settled
 
 
 class _SlotUnpickler(pickle.Unpickler):

@@ -431,33 +431,14 @@ def _in_place(segment, schema: RowSchema, row: int, ready: list) -> tuple[RowLea
     done, out = None, []
     for leaf, value in zip(schema.leaves, ready):
         if type(value) is not bytes:
-            lo, hi = _memory_bounds(value)
+            lo, hi = layout.memory_bounds(value)
             if lo < row_hi and row_lo < hi:  # born in the row
-                if leaf is target and _data_address(value) == row_lo and _c_contiguous(value):
+                if leaf is target and layout.data_address(value) == row_lo and layout.c_contiguous(value):
                     done = leaf
                 else:  # another leaf, or a view of the row (a transpose...): copy it out first
                     value = value.copy() if type(value) is np.ndarray else value.clone()
         out.append(value)
     return done, out
-
-
-def _memory_bounds(value) -> tuple[int, int]:
-    """The addresses [lo, hi) that an array's or a tensor's elements may occupy."""
-    if type(value) is np.ndarray:
-        return _byte_bounds(value)
-    storage = value.untyped_storage()
-    return storage.data_ptr(), storage.data_ptr() + storage.nbytes()
-
-
-def _data_address(value) -> int:
-    return value.__array_interface__["data"][0] if type(value) is np.ndarray else value.data_ptr()
-
-
-def _c_contiguous(value) -> bool:
-    return value.flags.c_contiguous if type(value) is np.ndarray else value.is_contiguous()
-
-
-_byte_bounds = getattr(getattr(np.lib, "array_utils", None), "byte_bounds", None) or np.byte_bounds
 
 
 def publish_batch(segment, schema: RowSchema) -> None:

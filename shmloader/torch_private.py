@@ -66,3 +66,43 @@ def validate_loaded_sparse_tensors() -> None:
     (torch.load does it); left there it would hold a slot's lease forever."""
     if torch._utils._sparse_tensors_to_validate:
         torch._utils._validate_loaded_sparse_tensors()
+
+
+def fetches_one_by_one(fetcher) -> bool:
+    """Whether torch's `fetcher.fetch(index)` asks the dataset for one sample at a time (so
+    `fetch_each` can run code around each): a batch of indices from a map-style dataset without
+    __getitems__, or from an iterable one."""
+    if not fetcher.auto_collation:
+        return False
+    if hasattr(fetcher, "dataset_iter"):
+        return True
+    dataset = fetcher.dataset
+    return not (hasattr(dataset, "__getitems__") and dataset.__getitems__)
+
+
+def fetch_each(fetcher, index, around_sample):
+    """What torch's `fetcher.fetch(index)` returns (the fetcher's collate_fn is the identity
+    here: the list of samples), with sample k asked for inside `around_sample(k, the samples
+    fetched so far)`, a context manager or None.  The same calls as torch's fetchers make, in the same order: an iterable's
+    end sets `fetcher.ended` and raises StopIteration exactly where torch's does.  Only where
+    `fetches_one_by_one(fetcher)`."""
+    iterable = hasattr(fetcher, "dataset_iter")
+    if iterable and fetcher.ended:
+        raise StopIteration
+    data = []
+    for k, i in enumerate(index):
+        context = around_sample(k, data)
+        try:
+            if context is None:
+                data.append(next(fetcher.dataset_iter) if iterable else fetcher.dataset[i])
+            else:
+                with context:
+                    data.append(next(fetcher.dataset_iter) if iterable else fetcher.dataset[i])
+        except StopIteration:
+            if not iterable:
+                raise
+            fetcher.ended = True
+            break
+    if iterable and (not data or (fetcher.drop_last and len(data) < len(index))):
+        raise StopIteration
+    return fetcher.collate_fn(data)

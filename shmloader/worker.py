@@ -67,6 +67,7 @@ from .protocol import (
     check_version,
     status_offset,
 )
+from .samples_in_slot import SamplesInArena, SamplesInSlot
 from .segment import create_segment, slot_capacity
 from .state import send_batch_state, send_epoch_state, start_fetcher
 from .timing import stage_clock
@@ -90,6 +91,10 @@ COLLATE_CUSTOM = "custom"  # the user's collate_fn, output copied once (or born 
 #   segment (`_move_batch`), so a kept array never shares bytes with a slot written again.
 #   SHMLOADER_SLOT_ARENA=0 turns it off.
 ARENA_MIN_BYTES = 16 * 1024
+# A slot made for a custom collate_fn's batch is 1/ARENA_MARGIN larger than the batch laid out
+# compactly: the same arrays born in the arena take up to 127 more bytes each (a 64-byte size
+# prefix, 64-byte alignment), at most 1/128 of blocks of at least ARENA_MIN_BYTES.
+ARENA_MARGIN = 128
 
 
 class Shipped:
@@ -246,6 +251,10 @@ class _Worker:
         self.grants: collections.deque[tuple[int, int, int, int]] = collections.deque()  # (slot, gen, cap, hint)
         self.pending: collections.deque[tuple[tuple, list[int]]] = collections.deque()
         self.rewind_points: dict[tuple[int, int], tuple] = {}  # tasks sent ahead -> RNG states before
+        # NOTE [ Samples born in the slot ] in samples_in_slot.py
+        iterable = spec.dataset_kind == torch_private.DatasetKind.Iterable
+        self.samples_in_slot = SamplesInSlot(iterable)  # torch's default_collate
+        self.samples_in_arena = SamplesInArena(iterable)  # a collate_fn that passes samples through
 
     def _enter(self, stage: int, idx: int = -1) -> str:
         """Record the stage in this worker's status word (and time the one it leaves: NOTE
@@ -383,19 +392,30 @@ class _Worker:
 
     def _next_grant(self, idx: int) -> tuple[int, int, int, int]:
         """A granted slot; reads (and keeps, in order) other messages while waiting for one."""
-        if not self.grants:
-            while not self.grants:
-                message, fds = self.channel.recv()
-                kind = type(message)
-                if kind is Grant:
-                    self._take_grant(message, fds)
-                elif kind is Forget:
-                    self._forget(message)
-                elif kind is Stop:
-                    raise _Stopped
-                else:
-                    self.pending.append((message, fds))
+        while not self.grants:
+            self._receive_while_waiting()
         return self.grants.popleft()
+
+    def grant_now(self) -> tuple[int, int, int, int] | None:
+        """A granted slot if one is in hand or already waiting on the socket, without waiting."""
+        while not self.grants:
+            readable, _, _ = select.select([self.channel], [], [], 0)
+            if not readable:
+                return None
+            self._receive_while_waiting()
+        return self.grants.popleft()
+
+    def _receive_while_waiting(self) -> None:
+        message, fds = self.channel.recv()
+        kind = type(message)
+        if kind is Grant:
+            self._take_grant(message, fds)
+        elif kind is Forget:
+            self._forget(message)
+        elif kind is Stop:
+            raise _Stopped
+        else:
+            self.pending.append((message, fds))
 
     def _rewind(self, message: Rewind) -> None:
         """Undo the RNG draws of the tasks sent ahead that the main process did not keep, so that
@@ -421,7 +441,7 @@ class _Worker:
         stage = STAGES[IDLE]
         grant = None
         segment = None
-        arena = fresh = None
+        arena = fresh = in_slot = returned = None
         try:
             if self.init_error is not None:
                 stage, payload = self.init_error
@@ -431,20 +451,37 @@ class _Worker:
                 self.channel.send(End(epoch, idx))
                 return
             stage = self._enter(FETCHING, idx)
+            in_slot = {COLLATE_INTO_SLOT: self.samples_in_slot,
+                       COLLATE_CUSTOM: self.samples_in_arena}.get(spec.collate_mode)
             try:
-                samples = self.fetcher.fetch(index)
+                if in_slot is not None and in_slot.wanted(self.fetcher):  # NOTE in samples_in_slot.py
+                    try:
+                        samples = in_slot.fetch(self, index)
+                    finally:
+                        grant, fresh = in_slot.grant, in_slot.fresh  # this task's, whatever happens
+                        if spec.collate_mode == COLLATE_CUSTOM:
+                            arena = in_slot.arena
+                else:
+                    samples = self.fetcher.fetch(index)
             except StopIteration:
                 if spec.dataset_kind != torch_private.DatasetKind.Iterable:
                     raise
+                if grant is not None:  # taken for samples that ended up too few (drop_last)
+                    self.grants.appendleft(grant)
+                    grant = None
                 self.ended = True
                 send_batch_state(self, epoch, idx)
                 self.channel.send(End(epoch, idx))
                 return
             send_batch_state(self, epoch, idx)  # NOTE [ Resuming mid-epoch ] in state.py
+            watched = fetched_in_arena = None
             if spec.collate_mode == COLLATE_CUSTOM:  # NOTE [ One copy for a numpy collate_fn ]
-                stage = self._enter(AWAITING_SLOT, idx)
-                grant = self._next_grant(idx)
-                arena, fresh = self._slot_arena(grant)
+                watched = in_slot.watch(samples)
+                fetched_in_arena = arena.used_end - layout.HEADER_BYTES if arena is not None else 0
+                if grant is None:
+                    stage = self._enter(AWAITING_SLOT, idx)
+                    grant = self._next_grant(idx)
+                    arena, fresh = self.slot_arena(grant)
             stage = self._enter(COLLATING, idx)
             if spec.collate_mode == COLLATE_INTO_SLOT:
                 batch = layout.collate_into_slot(samples)
@@ -459,6 +496,8 @@ class _Worker:
             del samples
             stage = self._enter(LAYING_OUT, idx)
             plan = layout.plan_batch(batch, arena)
+            if watched is not None or fetched_in_arena:
+                in_slot.learn(plan, watched, fetched_in_arena)
             if grant is None:
                 stage = self._enter(AWAITING_SLOT, idx)
                 grant = self._next_grant(idx)
@@ -468,14 +507,22 @@ class _Worker:
             stage = self._enter(WRITING, idx)
             grown = None
             in_arena = arena is not None  # the batch goes to the segment its arena lies in
+            sources_in_slot = in_slot is self.samples_in_slot and in_slot.fetched_in_slot
             if fresh is not None:  # the slot's segment, made before the collate for the arena
                 segment, grown, generation, fresh = fresh, fresh, granted + 1, None
+            if in_arena and plan.total_bytes > segment.size:
+                # The arena's blocks hold more than the batch (temporaries): lay the batch out
+                # from the slot's start instead, what lies in the slot copied out first.
+                plan, sources_in_slot = layout.plan_batch(batch), True
             if segment is None or plan.total_bytes > segment.size:
                 if in_arena:  # a new segment gets every byte: nothing is in place there
                     plan = layout.plan_batch(batch)
                     in_arena = False
                 current = segment.size if segment is not None else 0
-                wanted = slot_capacity(plan.total_bytes, current, hint)
+                needed = plan.total_bytes
+                if spec.collate_mode == COLLATE_CUSTOM:  # room for the arena's block prefixes
+                    needed += needed // ARENA_MARGIN
+                wanted = slot_capacity(needed, current, hint)
                 grown = create_segment(
                     wanted, granted + 1,
                     f"slot {slot} of the ring ({spec.ring_depth} slots)",
@@ -485,15 +532,20 @@ class _Worker:
             if found != layout._ring.FREE:
                 segment = None  # not ours to release
                 raise SlotProtocolError(f"worker {spec.worker_id} found slot {slot} in state {found}, not FREE")
-            layout.write_batch(segment, plan)
+            in_place = layout.write_batch(segment, plan, sources_in_slot) + plan.in_place_bytes
             published = (len(plan.descriptor), plan.total_bytes, plan.descriptor_offset)
-            in_place = plan.in_place_bytes
             del batch, plan
+            kept = 0
             if arena is not None:
                 kept, arena = arena.release(), None
-                if kept and in_arena:  # the collate_fn keeps arrays that live in this segment
-                    segment = grown = self._move_batch(segment, slot, granted, published[1], idx)
-                    generation, in_place = granted + 1, 0
+                kept = kept if in_arena else 0
+            if in_slot is self.samples_in_slot and in_slot.fetched_in_slot:
+                rows_segment = in_slot.segment
+                if in_slot.settle() and rows_segment is segment:
+                    kept = 1
+            if kept:  # the collate_fn or the dataset keeps arrays that live in this segment
+                segment = grown = self._move_batch(segment, slot, granted, published[1], idx)
+                generation, in_place = granted + 1, 0
             segment.publish(*published)
             grant = None  # handed back with the result
             if grown is not None:
@@ -509,12 +561,21 @@ class _Worker:
                 if segment is not None and segment.state() == layout._ring.WRITING:
                     segment.release()
                 self.grants.appendleft(grant)
+                returned = grant
             self.channel.send(Failed(epoch, idx, stage, exception_payload(exc)))
         finally:
-            if arena is not None:
-                arena.release()
+            if arena is not None or (in_slot is self.samples_in_slot and in_slot.arenas):
+                # The batch failed with arrays born in its slot: drop our references; if the
+                # dataset or collate_fn still holds some, the slot must not be written again.
+                samples = batch = None  # noqa: F841
+                kept = arena.release() if arena is not None else 0
+                if in_slot is self.samples_in_slot:
+                    kept += in_slot.settle()
+                if kept and returned is not None and self.grants and self.grants[0] is returned:
+                    slot, generation, _capacity, hint = self.grants.popleft()
+                    self.grants.appendleft((slot, generation, 0, hint))  # a new segment when used
 
-    def _slot_arena(self, grant: tuple[int, int, int, int]):
+    def slot_arena(self, grant: tuple[int, int, int, int]):
         """(a SlotArena over the granted slot, the new segment made for it if the slot had none
         yet), or (None, None) before the ring knows its slot size or when turned off
         (NOTE [ One copy for a numpy collate_fn ])."""
@@ -522,16 +583,24 @@ class _Worker:
             return None, None
         from ._ring import SlotArena
 
-        slot, generation, capacity, hint = grant
-        fresh = None
-        if capacity:
-            segment = self.segments[slot][1]
-        elif hint:  # a new or detached slot: create it now, at the size the ring has learnt
-            segment = fresh = create_segment(hint, generation + 1,
-                                             f"slot {slot} of the ring ({self.spec.ring_depth} slots)")
-        else:
+        segment, fresh = self.segment_for(grant, 0)
+        if segment is None:
             return None, None
         return SlotArena(segment, layout.HEADER_BYTES, ARENA_MIN_BYTES), fresh
+
+    def segment_for(self, grant: tuple[int, int, int, int], min_bytes: int):
+        """(the granted slot's segment, None), or (a new segment for it, the same) when the slot
+        has none or one smaller than `min_bytes`: sized by `min_bytes` and the ring's learnt size
+        (a worker's new segment is the granted generation + 1, adopted with its Ready), or
+        (None, None) when neither says a size."""
+        slot, generation, capacity, hint = grant
+        if capacity and capacity >= min_bytes:
+            return self.segments[slot][1], None
+        if not (hint or min_bytes):
+            return None, None
+        fresh = create_segment(slot_capacity(min_bytes, capacity, hint), generation + 1,
+                               f"slot {slot} of the ring ({self.spec.ring_depth} slots)")
+        return fresh, fresh
 
     def _move_batch(self, kept, slot: int, generation: int, end: int, idx: int):
         """The collate_fn kept arrays born in `kept` (a cache): leave that segment to them and

@@ -122,9 +122,10 @@ def _arm_write_fault(how: str, marker_dir: str) -> None:
 
     real = getattr(layout.write_batch, "__wrapped__", layout.write_batch)
 
-    def write_batch(segment, plan):
-        real(segment, plan)
+    def write_batch(segment, plan, rows_in_slot=False):
+        in_place = real(segment, plan, rows_in_slot)
         inject(how, marker_dir, "write")
+        return in_place
 
     write_batch.__wrapped__ = real
     layout.write_batch = write_batch
