@@ -51,7 +51,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from . import layout, torch_private
+from . import heap, layout, torch_private
 from ._ring import SlotArena
 from .rows import IN_PLACE_MIN_BYTES
 
@@ -162,6 +162,7 @@ class SamplesInArena:
     def __init__(self, iterable: bool):
         self.iterable = iterable
         self.on = False
+        self.heap_to_release = False
         # batches left to watch for arrays passed through (none when the arena is switched off)
         self.watching = LEARN_BATCHES if os.environ.get("SHMLOADER_SLOT_ARENA", "1") != "0" else 0
         self._reset()
@@ -211,4 +212,11 @@ class SamplesInArena:
         passed = sum(leaf.nbytes for _, leaf in plan.leaves if id(leaf) in watched)
         self.watching -= 1
         if 2 * passed >= plan.total_bytes:
-            self.on, self.watching = True, 0
+            self.on, self.watching, self.heap_to_release = True, 0, True
+
+    def after_batch(self) -> None:
+        """The batch is sent: once the worker fetches into slots, the heap memory its earlier
+        batches' samples took goes back to the OS (heap.py)."""
+        if self.heap_to_release:
+            self.heap_to_release = False
+            heap.release_free_memory()

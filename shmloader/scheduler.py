@@ -18,6 +18,12 @@ NOTE [ Slot grants ]
   forget it (Forget messages), as they are for a slot's pre-growth segment.  Only under a cap
   the user set can a worker wait for good: then RingFullError.
 
+  A second grant (a slot to go on with once the current batch is written) is given only from
+  the created free slots, and only while slots are at most AHEAD_MAX_SLOT_BYTES: for large
+  batches it would hold a whole slot idle for a batch's time to save one round trip, and workers
+  that fetch their samples into the slot (NOTE [ Samples born in the slot ] in
+  samples_in_slot.py) start the next batch without one anyway.
+
   Grants go in the order the tasks were sent, up to GRANTS_PER_WORKER ahead per worker.  A
   worker writes its tasks in order, so its k-th grant serves its k-th owed task; granting in
   send order keeps the granted tasks a prefix of the owed ones.  When slots are scarce (a cap the
@@ -33,7 +39,11 @@ from . import layout
 from .protocol import Forget, Grant, Ready
 from .ring import CONSUMER_SLOTS, Ring
 
-GRANTS_PER_WORKER = 2  # the slot being written + one to go on with
+GRANTS_PER_WORKER = 2  # the slot being written + one to go on with (small slots only)
+# A grant to go on with saves a worker the round trip to the main process after each batch, but
+# holds a whole slot idle meanwhile: worth it while that round trip is a sizeable part of a
+# batch's time, not for large slots (NOTE [ Slot grants ]).
+AHEAD_MAX_SLOT_BYTES = 32 << 20
 
 
 class SlotScheduler:
@@ -121,7 +131,7 @@ class SlotScheduler:
                 continue
             ahead = owed[worker_id] > 1  # a grant to go on with: never worth a new segment
             if ahead:
-                if not ring.has_free_created_slot():
+                if not ring.has_free_created_slot() or (ring.slot_bytes or 0) > AHEAD_MAX_SLOT_BYTES:
                     continue
             elif not self._slot_available():
                 break

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 from torch.utils.data import default_convert
 
-from . import layout, protocol, torch_private
+from . import heap, layout, protocol, torch_private
 from .arena import SlotTensorMode, empty_tensor
 from .channel import Channel, ChannelClosed
 from .errors import SlotProtocolError
@@ -167,28 +167,6 @@ def _collate_tensors_without_shm(batch, *, collate_fn_map=None):
 _TORCH_COLLATE_TENSOR = torch_private.default_collate_fn_map[torch.Tensor]
 
 
-def _keep_freed_memory() -> None:
-    """Make glibc keep freed memory in this worker instead of returning it to the OS.
-
-    A dataset that builds each sample in a fresh array (np.random.random, decoding into a new
-    buffer) otherwise mmaps and munmaps every array of more than 128 KiB, and the page faults of
-    re-touching that memory cost more than the samples themselves (FACTS.md).  With a 32 MiB mmap
-    threshold and no trimming, a worker's second batch reuses the first batch's memory.  Off with
-    SHMLOADER_KEEP_FREED_MEMORY=0.
-    """
-    if os.environ.get("SHMLOADER_KEEP_FREED_MEMORY", "1") == "0":
-        return
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL(None)
-        m_trim_threshold, m_mmap_threshold = -1, -3
-        libc.mallopt(m_mmap_threshold, 32 * 1024 * 1024)
-        libc.mallopt(m_trim_threshold, 2**31 - 1)
-    except (OSError, AttributeError):
-        pass  # not glibc: nothing to tune
-
-
 def _watch_main_process(main_pid: int) -> None:
     """Exit this worker within a second of the main process's death, even mid-__getitem__."""
     try:
@@ -213,7 +191,7 @@ def worker_main(spec: WorkerSpec, sock) -> None:
     if spec.forked:
         close_parent_only_in_child()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the main process's to handle
-    _keep_freed_memory()
+    heap.keep_freed_memory()
     try:
         faulthandler.enable()  # until the crash log arrives (_start)
     except (RuntimeError, ValueError, OSError, AttributeError):
@@ -554,6 +532,8 @@ class _Worker:
                 self.segments[slot] = (generation, grown)  # known to the main process only now
             else:
                 self.channel.send(Ready(epoch, idx, slot, generation, segment.size, in_place))
+            if in_slot is self.samples_in_arena:
+                in_slot.after_batch()
         except (ChannelClosed, BrokenPipeError, ConnectionResetError, _Stopped):
             raise
         except Exception as exc:

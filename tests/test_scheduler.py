@@ -12,7 +12,7 @@ import pytest
 
 from shmloader import RingFullError, _ring, layout
 from shmloader.protocol import Forget, Grant, Ready
-from shmloader.scheduler import GRANTS_PER_WORKER, SlotScheduler
+from shmloader.scheduler import AHEAD_MAX_SLOT_BYTES, GRANTS_PER_WORKER, SlotScheduler
 from shmloader.segment import create_segment
 
 pytestmark = [pytest.mark.timeout(30)]
@@ -139,5 +139,28 @@ def test_a_capped_ring_whose_slots_are_all_held_raises_ring_full():
         del held
         scheduler.replenish()  # a slot comes back: the owed task gets it
         assert len(workers.grants(0)) == 2
+    finally:
+        scheduler.close()
+
+
+@pytest.mark.parametrize("nbytes,ahead", [(4096, True), (AHEAD_MAX_SLOT_BYTES + 4096, False)])
+def test_a_grant_to_go_on_with_only_for_small_slots(nbytes, ahead):
+    """A worker that owes two batches gets a second, created, free slot ahead only while slots
+    are small: a large slot would sit idle a whole batch (NOTE [ Slot grants ])."""
+    workers = Workers(1)
+    scheduler = scheduler_for(workers, prefetch_factor=2)
+    try:
+        for idx in range(2):  # two slots made, then both free again
+            scheduler.task_sent(0, idx, 0)
+        batches = [workers.write(scheduler, 0, grant, 0, idx, 1.0, nbytes)
+                   for idx, grant in enumerate(workers.grants(0)[:1])]
+        scheduler.grant_in_order()
+        batches.append(workers.write(scheduler, 0, workers.grants(0)[1], 0, 1, 2.0, nbytes))
+        del batches
+        scheduler.replenish()
+        before = len(workers.grants(0))
+        scheduler.task_sent(0, 2, 0)
+        scheduler.task_sent(0, 3, 0)
+        assert len(workers.grants(0)) - before == (2 if ahead else 1)
     finally:
         scheduler.close()

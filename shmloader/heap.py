@@ -1,0 +1,47 @@
+"""The C heap of a worker process: glibc's malloc tuned for datasets that make large arrays.
+
+A worker's samples and batches are large arrays.  glibc returns freed memory of more than 128
+KiB to the OS at once (munmap, trimming), and the page faults of touching it again cost more than
+making the samples (FACTS.md), so workers keep it (`keep_freed_memory`).  Once a worker fetches
+its samples into slots (NOTE [ Samples born in the slot ] in samples_in_slot.py) the heap no
+longer needs a batch's worth, and `release_free_memory` gives what it holds back.
+"""
+
+from __future__ import annotations
+
+import os
+
+
+def _libc():
+    import ctypes
+
+    return ctypes.CDLL(None)
+
+
+def keep_freed_memory() -> None:
+    """Make glibc keep freed memory in this worker instead of returning it to the OS.
+
+    A dataset that builds each sample in a fresh array (np.random.random, decoding into a new
+    buffer) otherwise mmaps and munmaps every array of more than 128 KiB, and the page faults of
+    re-touching that memory cost more than the samples themselves (FACTS.md).  With a 32 MiB mmap
+    threshold and no trimming, a worker's second batch reuses the first batch's memory.  Off with
+    SHMLOADER_KEEP_FREED_MEMORY=0.
+    """
+    if os.environ.get("SHMLOADER_KEEP_FREED_MEMORY", "1") == "0":
+        return
+    try:
+        libc = _libc()
+        m_trim_threshold, m_mmap_threshold = -1, -3
+        libc.mallopt(m_mmap_threshold, 32 * 1024 * 1024)
+        libc.mallopt(m_trim_threshold, 2**31 - 1)
+    except (OSError, AttributeError):
+        pass  # not glibc: nothing to tune
+
+
+def release_free_memory() -> None:
+    """Give the free memory the heap keeps back to the OS (glibc's malloc_trim), once the worker
+    no longer needs it; nothing where the C library is not glibc."""
+    try:
+        _libc().malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
