@@ -75,8 +75,9 @@ class LoaderStats:
     batch now (being written, waiting, or held); detached: slots handed over to held batches so
     far; slot_grows: slots replaced by a larger segment so far; made_ahead: slot segments made
     ahead of need, off the workers' path (NOTE [ Spare segments ] in spares.py); in_place_bytes: array bytes that a
-    numpy collate_fn built in their slot, so that no copy was made (NOTE [ One copy for a numpy
-    collate_fn ] in worker.py); prefetched_next_epoch / forecast_misses: batches fetched across
+    numpy collate_fn built in their slot, or that the dataset made in their row of it, so that no
+    copy was made (NOTE [ One copy for a numpy collate_fn ] in worker.py, NOTE [ Samples born in
+    the slot ] in samples_in_slot.py); prefetched_next_epoch / forecast_misses: batches fetched across
     an epoch's end and kept, and epochs whose forecast was wrong (NOTE [ Cross-epoch prefetch ]
     in epochs.py); timing: where the time goes and the verdict (diagnosis.py;
     None with SHMLOADER_TIMING=0).  print() it for a table, as_dict() for logging."""

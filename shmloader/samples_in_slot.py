@@ -37,6 +37,21 @@ NOTE [ Samples born in the slot ]
   without an arena: a generator's frame often holds the value it yielded last until it is
   resumed, which would read as kept.
 
+  A custom collate_fn.  A collate_fn that returns the samples' arrays as they are (the records,
+  a dict of lists) has them copied into the slot: the same pass and heap as above.  The slot
+  arena that a custom collate_fn runs in (NOTE [ One copy for a numpy collate_fn ] in worker.py)
+  is a bump allocator over the slot; fetching the samples inside it too makes their arrays the
+  batch's leaves in place.  But a collate_fn that makes new arrays (np.stack) would then find
+  the arena full of samples and its own result on the heap, so a worker first watches its first
+  LEARN_BATCHES batches, fetched as usual: if at least half of a batch's bytes are the samples'
+  own arrays, copied, it fetches into the arena from then on (and gives the heap memory the
+  watched batches took back: heap.py); if a batch fetched so finds less than half of what the
+  arena handed out in place (the collate_fn changed), it stops for good.  A batch whose arena
+  holds more than the slot can lay out (dead temporaries) is laid out from the slot's start, what
+  lies in the slot copied out first, never by growing the slot.  Slots made for a custom
+  collate_fn are 1/ARENA_MARGIN larger than the compact batch (worker.py), for the arena's block
+  prefixes.  Kept arrays are handled as for the collate_fn's own (the batch moved).
+
   When it stops.  A sample with no array leaf of at least IN_PLACE_MIN_BYTES a row, or a batch
   in which no arena was taken (the dataset returns arrays it made before: nothing to gain), turns
   it off for that worker.  SHMLOADER_SLOT_ARENA=0 turns it off everywhere, with the collate_fn

@@ -3,9 +3,11 @@
 One worker's loop (NOTE [ Slot lifecycle ] in ring.py has the slot's side):
 
     recv task (epoch, batch n, indices)
-      → fetch    dataset[i] for i in indices (or the next items of its iterable stream)
+      → fetch    dataset[i] for i in indices (or the next items of its iterable stream); large
+                 arrays born in the granted slot where they can be (samples_in_slot.py)
       → collate  default: torch's collate with rows written straight into the slot
-                 custom:  collate_fn(samples), array leaves copied once into the slot
+                 custom:  collate_fn(samples), array leaves copied once into the slot (or born
+                 there: NOTE [ One copy for a numpy collate_fn ])
       → layout   descriptor + aligned leaf offsets
       → slot     take a slot s granted by the main process (NOTE [ Slot grants ] in scheduler.py;
                  wait for a "grant" message if none is in hand); a slot too small is replaced by
@@ -89,6 +91,9 @@ COLLATE_CUSTOM = "custom"  # the user's collate_fn, output copied once (or born 
 #   the call come from the heap and are copied once, as before.  If the collate_fn keeps an array born in
 #   the slot (a cache) past the batch, the slot is left to it and the batch is moved to a fresh
 #   segment (`_move_batch`), so a kept array never shares bytes with a slot written again.
+#   A collate_fn that returns the samples' own arrays gets the samples fetched inside the arena
+#   too, once a worker has seen it do so (NOTE [ Samples born in the slot ] in
+#   samples_in_slot.py, which also covers torch's default_collate).
 #   SHMLOADER_SLOT_ARENA=0 turns it off.
 ARENA_MIN_BYTES = 16 * 1024
 # A slot made for a custom collate_fn's batch is 1/ARENA_MARGIN larger than the batch laid out
