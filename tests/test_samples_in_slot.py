@@ -88,10 +88,11 @@ class MadeStream(IterableDataset):
 
 
 class Caching(Made):
-    """Keeps every sample it returns, in each worker, from its `after`-th on."""
+    """Keeps every sample it returns, in each worker, from its `after`-th on: a dict, or
+    (`form="array"`) the array itself."""
 
-    def __init__(self, n=30, after=0):
-        super().__init__(n)
+    def __init__(self, n=30, after=0, form="dict"):
+        super().__init__(n, form)
         self.after, self.cache, self.made = after, {}, 0
 
     def __getitem__(self, i):
@@ -99,7 +100,7 @@ class Caching(Made):
             return self.cache[i]
         time.sleep(self.fetch_s)
         self.made += 1
-        sample = {"image": _values(i), "label": i}
+        sample = {"image": _values(i), "label": i} if self.form == "dict" else _values(i)
         if self.made > self.after:
             self.cache[i] = sample
         return sample
@@ -401,29 +402,11 @@ def test_temporaries_in_the_arena_neither_corrupt_nor_grow_the_slot():
     assert stats.slot_grows == 0
 
 
-class CachingRecords(Made):
-    """Keeps every array it returns from its `after`-th on (in each worker)."""
-
-    def __init__(self, n=30, after=0):
-        super().__init__(n)
-        self.after, self.cache, self.made = after, {}, 0
-
-    def __getitem__(self, i):
-        if i in self.cache:
-            return self.cache[i]
-        time.sleep(self.fetch_s)
-        self.made += 1
-        sample = _values(i)
-        if self.made > self.after:
-            self.cache[i] = sample
-        return sample
-
-
 @pytest.mark.parametrize("after", [6, 12])
 def test_a_caching_dataset_with_a_records_collate_keeps_its_samples_intact(after):
     kwargs = dict(batch_size=6, shuffle=True, num_workers=2, persistent_workers=True, collate_fn=records)
-    loader = ShmDataLoader(CachingRecords(30, after), generator=seeded(7), max_ring_slots=3, **kwargs)
-    reference = DataLoader(CachingRecords(30, after), generator=seeded(7), **kwargs)
+    loader = ShmDataLoader(Caching(30, after, "array"), generator=seeded(7), max_ring_slots=3, **kwargs)
+    reference = DataLoader(Caching(30, after, "array"), generator=seeded(7), **kwargs)
     for _ in range(3):
         assert_same_batches(collect(loader), collect(reference))
     del loader, reference
@@ -446,7 +429,7 @@ def test_a_collate_fn_that_stops_passing_samples_through():
     assert_same_batches(got, collect(DataLoader(Made(60), batch_size=6, num_workers=2, collate_fn=Switching())))
 
 
-class CachingFailsAt(CachingRecords):
+class CachingFailsAt(Caching):
     """Keeps every array it returns; index 17 raises the first time, after the others of its
     batch are kept (the next epochs return them from the cache)."""
 
@@ -468,8 +451,8 @@ def test_a_failed_batch_whose_rows_a_cache_keeps_leaves_its_slot_to_the_cache(co
         kwargs["collate_fn"] = collate_fn
     # Each worker caches from its 7th sample on: worker 0's batch 2 (indices 12-17) is fetched
     # in its slot, as its batch 0 went through without a cache.
-    loader = ShmDataLoader(CachingFailsAt(30, 6), max_ring_slots=3, **kwargs)
-    reference = DataLoader(CachingFailsAt(30, 6), **kwargs)
+    loader = ShmDataLoader(CachingFailsAt(30, 6, "array"), max_ring_slots=3, **kwargs)
+    reference = DataLoader(CachingFailsAt(30, 6, "array"), **kwargs)
     batches = []
     for source in (loader, reference):
         got, it = [], iter(source)

@@ -106,7 +106,9 @@ class KeepsItsOutput:
 def test_arrays_the_collate_keeps_are_never_overwritten():
     shm, ref, stats = _both(Rows(n=96), KeepsItsOutput(), prefetch_factor=2)
     assert_same_batches(shm, ref)
-    assert stats.in_place_bytes == 0 and stats.slot_grows > 0, stats  # every batch moved
+    # No batch is read from memory the collate_fn keeps: each kept one was moved to a new
+    # segment, or (its arena full of the checks' temporaries) laid out anew from its slot's start.
+    assert stats.in_place_bytes == 0, stats
     del shm
 
 
