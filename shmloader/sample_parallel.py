@@ -49,6 +49,14 @@ NOTE [ Samples of one batch over the workers ]
   default mode, which seed each worker once; data that draw no random numbers are identical.
   get_worker_info() and worker_init_fn behave as in the default mode (the worker's own seed).
 
+NOTE [ The first batch first ]
+  Until an epoch's first batch is delivered, only the batch being waited for may have a new slot
+  segment made for it: making one (reserving and zero-filling a batch's pages) takes the main
+  process tens of milliseconds of CPU, and the later batches' segments would take it from the
+  workers filling the first batch's rows on the same cores.  The later batches are sent into
+  slots that have a segment, or get theirs once the first batch is delivered; with
+  persistent_workers the ring's segments outlive the epoch and nothing waits.
+
 NOTE [ Rows born in place ]
   A dataset that makes its sample's array (np.random.random(shape), np.empty then fill, a
   decoder's output) would have it copied into its row: one more pass over every byte, on the
@@ -389,7 +397,8 @@ class SampleParallelIter(_PoolIter):
                     self._send(_first_worker(batch.idx, len(batch.indices), self._num_workers),
                                Learn(batch.epoch, batch.idx, len(batch.indices), batch.indices[0]))
                 return
-            if not self._claim_slot(batch, create):
+            awaited = batch.epoch == self._epoch and batch.idx == self._rcvd_idx
+            if not self._claim_slot(batch, create or awaited):
                 return
             self._queue.pop(0)
             self._send_rows(batch)
@@ -456,7 +465,7 @@ class SampleParallelIter(_PoolIter):
             self._schemas = _Schemas(rows.RowSchema.from_bytes(message.schema))
             for other in range(self._num_workers):
                 self._send(other, message)
-            self._dispatch()
+            self._dispatch(create=self._rcvd_idx > 0)  # NOTE [ The first batch first ]
             return
         if kind is Fatal:
             _Failure(worker_id, self._workers[worker_id].pid, None, message.stage, message.payload).reraise()
@@ -540,7 +549,7 @@ class SampleParallelIter(_PoolIter):
                 self._rcvd_idx += 1
                 self._fill(create=False)  # the next batches go on; new segments can wait
                 return batch
-            self._fill()
+            self._fill(create=self._rcvd_idx > 0)  # NOTE [ The first batch first ]
             batch = self._flight.get(key)
             if batch is None and self._exhausted:
                 if not self._persistent_workers:

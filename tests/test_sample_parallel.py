@@ -260,3 +260,19 @@ def test_timeout_is_honoured():
 def test_num_workers_zero_is_the_default_mode():
     got = collect(ShmDataLoader(Arrays(7, "dict"), batch_size=3, sample_parallel=True))
     assert_same_batches(got, collect(DataLoader(Arrays(7, "dict"), batch_size=3)))
+
+
+def test_later_batches_get_no_segment_before_the_first_is_complete():
+    """NOTE [ The first batch first ]: the later batches' segments would take CPU from the
+    workers filling the first batch; they are made once it is delivered."""
+    it = iter(ShmDataLoader(Arrays(64), batch_size=8, num_workers=2, sample_parallel=True, prefetch_factor=4))
+    first = next(it)
+    stats = it.stats()
+    # Two segments: the first batch's, and the one made for batch 1 once batch 0 was complete
+    # (batch 1 is then the one waited for); batches 2 and 3 have none yet.
+    assert stats.ring_bytes == 2 * stats.slot_bytes, stats
+    del first
+    rest = [batch.clone() for batch in it]
+    assert len(rest) == 7
+    assert it.stats().ring_bytes > stats.slot_bytes  # the later batches got theirs
+    del it
