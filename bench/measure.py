@@ -278,9 +278,11 @@ def run_loader(t: Transport, p: Point, watch: MemWatch, dataset=None) -> dict:
             n += 1
             if n == p.warmup:
                 ta, cpu_a = time.perf_counter(), _cpu_self()
-            if n == total:
-                tb, cpu_b = time.perf_counter(), _cpu_self()
-                break
+            if n >= total:
+                now = time.perf_counter()
+                if now - ta >= p.window_s or n >= p.warmup + p.max_batches:
+                    tb, cpu_b = now, _cpu_self()
+                    break
         del batch
         if ring is not None:
             ring = ring_info(loader) or ring  # after the run: the ring as it grew
@@ -298,11 +300,13 @@ def run_loader(t: Transport, p: Point, watch: MemWatch, dataset=None) -> dict:
     leaked_shm = sorted(set(ours(after - shm_before, pids)) | (set(owned) & after))
     if tb is None or ta is None:
         raise RuntimeError(f"{t.name} on {p.key}: the loader ended after {n} of {total} batches")
-    s = (tb - ta) / p.batches
+    timed = n - p.warmup
+    s = (tb - ta) / timed
     out = {
         "s_per_batch": s,
         "gbps": p.batch_bytes / s / 1e9,
-        "main_cpu_s_per_batch": max(0.0, (cpu_b - cpu_a - cons_cpu) / p.batches),
+        "main_cpu_s_per_batch": max(0.0, (cpu_b - cpu_a - cons_cpu) / timed),
+        "batches_timed": timed,
         "ttfb_s": ttfb,
         "warmup_s": ta - t0 - ttfb,  # first batch -> end of the untimed batches
         "peak_mem_bytes": mem.get("peak_mem_bytes"),

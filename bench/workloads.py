@@ -202,8 +202,13 @@ class Point:
     num_workers: int
     consumer: str  # "touch" | "read" | "step"
     warmup: int  # batches consumed before the clock starts (drains the prefetched ones)
-    batches: int  # batches timed
+    batches: int  # batches timed, at least
     params: dict = field(default_factory=dict, compare=False, hash=False)
+    # The clock runs on past ``batches`` until it has run ``window_s`` (up to ``max_batches``
+    # timed), for every transport alike: a fast transport's few batches would time a window of a
+    # few ms, where scheduling noise and start-up swamp the rate.
+    window_s: float = 0.0
+    max_batches: int = 0
 
     @property
     def key(self) -> str:
@@ -212,7 +217,7 @@ class Point:
     def dataset(self):
         if self.workload == "seed001":
             return MyIterableDataset(n=10000, shape=SEED_SHAPES[self.params["items"]])
-        n = (self.warmup + self.batches) * self.batch_size
+        n = (self.warmup + max(self.batches, self.max_batches)) * self.batch_size
         if self.workload in ("transport", "small"):
             return PremadeDataset(self.batch_bytes // self.batch_size, n, distinct=self.batch_size)
         if self.workload == "vision":
@@ -295,6 +300,18 @@ def _timed_batches(batch_bytes: int, quick: bool) -> int:
     return int(min(200 if not quick else 40, max(6 if quick else 8, budget // batch_bytes)))
 
 
+TIMED_WINDOW_S = 1.0  # the shortest timed window of a transport run (not --quick)
+FASTEST_GBPS = 25.0  # above any transport measured here: sizes the dataset for the window
+
+
+def _window(batch_bytes: int, quick: bool) -> dict:
+    """Point fields for a timed window of at least TIMED_WINDOW_S (none with --quick)."""
+    if quick:
+        return {}
+    most = int(TIMED_WINDOW_S * FASTEST_GBPS * 1e9 / batch_bytes) + 1
+    return {"window_s": TIMED_WINDOW_S, "max_batches": min(20000, max(most, 8))}
+
+
 def seed001_points(items=("large",), workers=(0, 2, 4, 6, 8), batches=16, warmup=5):
     out = []
     for it in items:
@@ -317,7 +334,8 @@ def transport_points(sizes, workers=(2,), consumers=("touch", "read"), quick=Fal
             for c in consumers:
                 out.append(
                     Point("transport", size_label(size), 16, size, w, c, warmup,
-                          _timed_batches(size, quick), {"samples_per_batch": 16})
+                          _timed_batches(size, quick), {"samples_per_batch": 16},
+                          **_window(size, quick))
                 )
     return out
 
@@ -325,7 +343,7 @@ def transport_points(sizes, workers=(2,), consumers=("touch", "read"), quick=Fal
 def small_points(workers=(2,), quick=False):
     return [
         Point("small", "4KiB", 32, 4096, w, "touch", max(50, steady_warmup(w)),
-              300 if quick else 2000, {})
+              300 if quick else 2000, {}, **_window(4096, quick))
         for w in workers
     ]
 
@@ -333,7 +351,8 @@ def small_points(workers=(2,), quick=False):
 def vision_points(workers=(2,), consumers=("touch", "read"), quick=False):
     nbytes = 64 * int(np.prod(IMAGE_SHAPE)) + 64 * 8  # images + int64 labels
     return [
-        Point("vision", "b64", 64, nbytes, w, c, steady_warmup(w), 20 if quick else 150, {})
+        Point("vision", "b64", 64, nbytes, w, c, steady_warmup(w), 20 if quick else 150, {},
+              **_window(nbytes, quick))
         for w in workers
         for c in consumers
     ]

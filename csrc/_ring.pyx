@@ -7,7 +7,8 @@ shmloader/ring.py.
 """
 
 cimport cython
-from cpython.buffer cimport PyBuffer_FillInfo
+from cpython.buffer cimport (PyBUF_C_CONTIGUOUS, PyBuffer_FillInfo, PyBuffer_Release,
+                             PyObject_CheckBuffer, PyObject_GetBuffer)
 from cpython.object cimport PyObject
 from cpython.mem cimport PyMem_RawMalloc
 from cpython.pycapsule cimport PyCapsule_New
@@ -35,6 +36,8 @@ FREE = SHM_SLOT_FREE
 WRITING = SHM_SLOT_WRITING
 READY = SHM_SLOT_READY
 LEASED = SHM_SLOT_LEASED
+# Rows at least this large are copied with the GIL released (a thread of the worker may run).
+cdef uint64_t ROW_COPY_NOGIL_BYTES = 1 << 20
 
 
 def reserve(int fd, uint64_t nbytes):
@@ -173,6 +176,39 @@ cdef class Segment:
         cdef char *dst = self._base + offset
         with nogil:
             memcpy(dst, <const void *>source, nbytes)
+
+    def copy_rows(self, uint64_t offset, uint64_t row_nbytes, rows, Py_ssize_t start=0):
+        """Copy rows[i] to `offset + i * row_nbytes` for i from `start`: the stacked rows of one
+        batch leaf (arrays of one dtype and shape), in one call rather than a Python call per row.
+        A None row is already in place.  Stops at the first row that is not a C-contiguous buffer
+        of exactly `row_nbytes` (a tensor, a strided array) and returns its index, for the caller
+        to copy that row and go on after it; returns len(rows) when every row is copied."""
+        cdef Py_ssize_t i, n = len(rows)
+        cdef Py_buffer view
+        cdef char *dst
+        cdef object row
+        self._check_range(offset, row_nbytes * <uint64_t>n)
+        for i in range(start, n):
+            row = rows[i]
+            if row is None:
+                continue
+            if not PyObject_CheckBuffer(row):
+                return i
+            try:
+                PyObject_GetBuffer(row, &view, PyBUF_C_CONTIGUOUS)
+            except Exception:  # a strided array, a dtype with no buffer format
+                return i
+            if <uint64_t>view.len != row_nbytes:
+                PyBuffer_Release(&view)
+                return i
+            dst = self._base + offset + <uint64_t>i * row_nbytes
+            if row_nbytes >= ROW_COPY_NOGIL_BYTES:
+                with nogil:
+                    memcpy(dst, view.buf, row_nbytes)
+            else:
+                memcpy(dst, view.buf, row_nbytes)
+            PyBuffer_Release(&view)
+        return n
 
     def close_fd(self):
         """Close the fd (after it has been passed on); the mapping stays until deallocation."""

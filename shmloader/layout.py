@@ -481,14 +481,16 @@ def write_batch(segment: _ring.Segment, plan: BatchPlan, rows_in_slot: bool = Fa
     for offset, leaf in leaves:
         if type(leaf) is StackedLeaf:
             row_bytes = leaf.row_nbytes
-            for i, row in enumerate(leaf.rows):
-                at = offset + i * row_bytes
-                if row is None:
-                    in_place += row_bytes
-                elif isinstance(row, np.ndarray):
+            rows = leaf.rows
+            in_place += row_bytes * sum(row is None for row in rows)
+            i = segment.copy_rows(offset, row_bytes, rows)  # arrays: one C loop
+            while i < len(rows):  # rows[i] is no C-ordered buffer: a tensor, a strided array
+                row, at = rows[i], offset + i * row_bytes
+                if isinstance(row, np.ndarray):
                     _copy_numpy(segment, at, row, c_order=True)
                 else:
                     _copy_tensor(segment, at, row.resolve_conj().resolve_neg())
+                i = segment.copy_rows(offset, row_bytes, rows, i + 1)
         elif isinstance(leaf, np.ndarray):
             _copy_numpy(segment, offset, leaf, c_order=False)
         else:

@@ -153,6 +153,42 @@ def test_collate_of_non_contiguous_rows():
     assert_same(batch, default_collate(samples))
 
 
+@pytest.mark.filterwarnings("ignore:The given NumPy array is not writable")
+def test_rows_of_every_kind_in_one_batch_match_default_collate():
+    """write_batch copies C-ordered array rows in one C loop (Segment.copy_rows) and every other
+    row (a tensor, a strided, Fortran-ordered or read-only array) one by one, between them."""
+    base = np.arange(24, dtype=np.float32).reshape(4, 6)
+    frozen = base.copy() + 100
+    frozen.flags.writeable = False
+    samples = [base.copy(), base * 2, np.asfortranarray(base * 3), base[:, ::-1].copy(),
+               np.arange(48, dtype=np.float32).reshape(4, 12)[:, ::2], frozen, base * 7, base * 8]
+    batch, _, _ = _write(layout.collate_into_slot(samples))
+    assert_same(batch, default_collate(samples))
+    tensors = [torch.from_numpy(s.copy()) if k % 3 == 1 else s for k, s in enumerate(samples)]
+    batch, _, _ = _write(layout.collate_into_slot(tensors))
+    assert_same(batch, default_collate(tensors))
+
+
+def test_copy_rows_stops_at_a_row_it_cannot_copy_whole():
+    segment = create_segment(4096, 0)
+    row = np.arange(4, dtype=np.int32)
+    rows = [row, None, row + 1, torch.zeros(4, dtype=torch.int32), row[::-1], row + 5,
+            np.arange(8, dtype=np.int32)[::2], np.arange(5, dtype=np.int32), row + 8]
+    at = HEADER_BYTES
+    assert segment.copy_rows(at, 16, rows) == 3  # a tensor exports no buffer
+    assert segment.copy_rows(at, 16, rows, 4) == 4  # reversed: not C-contiguous
+    assert segment.copy_rows(at, 16, rows, 5) == 6  # strided
+    assert segment.copy_rows(at, 16, rows, 7) == 7  # 5 items: not the row's size
+    assert segment.copy_rows(at, 16, rows, 8) == 9
+    written = np.frombuffer(segment, np.int32, 36, at).reshape(9, 4)
+    for k in (0, 2, 5, 8):
+        np.testing.assert_array_equal(written[k], rows[k])
+    assert not written[[1, 3, 4, 6, 7]].any()  # skipped rows left as they were
+    del written
+    with pytest.raises(ValueError, match="outside"):
+        segment.copy_rows(4096 - 16, 16, rows)
+
+
 # -- errors name the leaf's path ---------------------------------------------------------------------
 
 
