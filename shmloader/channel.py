@@ -35,6 +35,7 @@ class Channel:
         self.bytes_received = 0
         self.messages_sent = 0
         self.messages_received = 0
+        self._held: list[bytes] | None = None  # messages kept for one send (hold / flush)
         if parent_side:
             register_parent_only(self)
 
@@ -48,17 +49,33 @@ class Channel:
         return self.sock.fileno()
 
     def send(self, message, fds: tuple[int, ...] = ()) -> None:
-        """Send one protocol message (and `fds` with it)."""
+        """Send one protocol message (and `fds` with it); while held, a message without fds
+        waits for flush()."""
         payload = pickle.dumps(encode(message), protocol=pickle.HIGHEST_PROTOCOL)
         frame = _FRAME.pack(len(payload), len(fds))
         if fds:
+            self.flush()  # the order of messages stays the order of sends
             ancillary = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))]
             self.sock.sendmsg([frame], ancillary)
             self.sock.sendall(payload)
+        elif self._held is not None:
+            self._held.append(frame + payload)
         else:
             self.sock.sendall(frame + payload)
         self.bytes_sent += len(frame) + len(payload)
         self.messages_sent += 1
+
+    def hold(self) -> None:
+        """Keep the messages sent from now on until flush(), to send them in one write: the
+        main process's task and grant for a worker wake it once, not twice."""
+        if self._held is None:
+            self._held = []
+
+    def flush(self) -> None:
+        """Send the held messages, and stop holding."""
+        held, self._held = self._held, None
+        if held:
+            self.sock.sendall(b"".join(held))
 
     def recv(self) -> tuple[Any, list[int]]:
         """The next message and the fds that came with it (the caller owns them; if no whole

@@ -227,6 +227,20 @@ class _Unsupported(Exception):
 
 # The byte order numpy marks as non-native ("=" is native, "|" none).
 _SWAPPED = ">" if sys.byteorder == "little" else "<"
+# What the pickler meets most (a descriptor's tuples, ints and strs, the batch's containers): no
+# leaf, so persistent_id answers at once instead of after every leaf test.
+_NEVER_A_LEAF = frozenset({str, int, float, bool, type(None), tuple, list, dict, bytes, torch.dtype})
+
+
+def _dtype_token(dtype: np.dtype):
+    """How an "n" leaf names its dtype: numpy's code (``"<f4"``) for a builtin dtype, which costs
+    a few bytes to pickle and a cached lookup to load, else the dtype itself (pickled whole)."""
+    return dtype.str if dtype.isbuiltin == 1 else dtype
+
+
+@functools.cache
+def _dtype_of(token: str) -> np.dtype:
+    return np.dtype(token)
 
 
 @functools.cache
@@ -298,6 +312,8 @@ class _Planner(pickle.Pickler):
         return offset
 
     def persistent_id(self, obj):
+        if type(obj) in _NEVER_A_LEAF:
+            return None
         if type(obj) is StackedLeaf:
             if obj.problem is not None:
                 raise _Unsupported(obj, obj.problem)
@@ -335,7 +351,7 @@ class _Planner(pickle.Pickler):
             offset = self._in_slot(obj)
             if offset is None:
                 offset = self._place(obj.nbytes, obj)
-            return ("n", offset, obj.dtype, obj.shape, order)
+            return ("n", offset, _dtype_token(obj.dtype), obj.shape, order)
         kind = type(obj)
         if kind is torch.storage.TypedStorage or kind is torch.UntypedStorage:
             return self._storage(obj)
@@ -556,6 +572,8 @@ class _SlotUnpickler(pickle.Unpickler):
             return view
         if kind == "n":
             _, offset, dtype, shape, order = pid
+            if type(dtype) is str:
+                dtype = _dtype_of(dtype)
             count = math.prod(shape)
             start = self._start(offset, count * dtype.itemsize)
             if count == 0:

@@ -495,8 +495,9 @@ class _ShmLoaderIter(_PoolIter):
         if self._keeps_prefetched(index, worker_id):
             self._adopted.add(self._send_idx)  # already in flight: NOTE [ Cross-epoch prefetch ]
         else:
-            self._send(worker_id, Task(self._epoch, self._send_idx, index))
-            self._scheduler.task_sent(self._epoch, self._send_idx, worker_id)
+            with self._pool.coalesced():  # the task and the grant it gets: one wake-up
+                self._send(worker_id, Task(self._epoch, self._send_idx, index))
+                self._scheduler.task_sent(self._epoch, self._send_idx, worker_id)
         self._task_info[self._send_idx] = (worker_id,)
         self._workers_num_tasks[worker_id] += 1
         self._tasks_outstanding += 1

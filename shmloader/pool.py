@@ -20,6 +20,7 @@ NOTE [ Shutdown ]
 
 from __future__ import annotations
 
+import contextlib
 import math
 import select
 import time
@@ -116,6 +117,21 @@ class WorkerPool:
             self.channels[worker_id].send(message, fds)
         except (BrokenPipeError, ConnectionResetError):
             self._report_death(worker_id)
+
+    @contextlib.contextmanager
+    def coalesced(self):
+        """Messages sent inside go out as one write per worker, at the end (Channel.hold):
+        nothing inside may wait for a worker."""
+        for channel in self.channels:
+            channel.hold()
+        try:
+            yield
+        finally:
+            for worker_id, channel in enumerate(self.channels):
+                try:
+                    channel.flush()
+                except (BrokenPipeError, ConnectionResetError):
+                    self._report_death(worker_id)
 
     def _report_death(self, worker_id: int) -> None:
         on_death = self._on_death()

@@ -69,3 +69,30 @@ def test_fds_of_an_unreadable_payload_are_closed():
         os.close(fd)
     peer.close()
     channel.close()
+
+
+def test_held_messages_go_in_one_write_in_the_order_sent():
+    """Channel.hold (the pool's `coalesced`: a task and its grant): nothing reaches the peer
+    until flush(), then everything does, in order; a message with fds flushes what is held
+    first, so its fds stay with it."""
+    channel, peer = Channel.pair()
+    sender = Channel(peer)
+    r, w = os.pipe()
+    sender.hold()
+    sender.send(Grant(1, 1, 4096, 0))
+    sender.send(Grant(2, 1, 4096, 0))
+    channel.sock.setblocking(False)
+    with pytest.raises(BlockingIOError):
+        channel.sock.recv(1, socket.MSG_PEEK)  # held: nothing sent yet
+    sender.send(Grant(3, 1, 4096, 0), (r,))  # fds: what is held goes first, then this
+    sender.send(Grant(4, 1, 4096, 0))
+    sender.flush()
+    sender.send(Grant(5, 1, 4096, 0))  # no longer held
+    channel.sock.setblocking(True)
+    got = [channel.recv() for _ in range(5)]
+    assert [message.slot for message, _ in got] == [1, 2, 3, 4, 5]
+    assert [len(fds) for _, fds in got] == [0, 0, 1, 0, 0]
+    for fd in (r, w, *got[2][1]):
+        os.close(fd)
+    channel.close()
+    sender.close()
