@@ -2,7 +2,7 @@
 bottleneck?
 
 With no flags it runs the project's main job: seed001 (the forum experiment, large items) at 0, 2,
-4 and 8 workers through torch as posted, torch with default_collate, shmloader with both collates
+4, 6 and 8 workers through torch as posted, torch with default_collate, shmloader with both collates
 and SPDL's shared-memory arena (posted collate; where spdl is installed), three repeats each, and
 prints seconds per batch (median [min-max]) side by side with the work bound. Other workloads::
 
@@ -82,7 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--sizes", default=None,
                     help="transport batch sizes, e.g. 1M,16M,64M,256M (the default)")
     ap.add_argument("--workers", default=None,
-                    help="num_workers list (default: seed001 0,2,4,6,8 [main job 0,2,4,8]; "
+                    help="num_workers list (default: seed001 0,2,4,6,8; "
                          f"epochs {EPOCHS_WORKERS}; rows {ROWS_WORKERS}; --quick 2; "
                          "others: the machine's cores)")
     ap.add_argument("--items", default=None, help="seed001 items: large,small (default both; "
@@ -139,7 +139,7 @@ def plan(args) -> tuple[str, list, list[str]]:
     if "seed001" in wls:
         items = _names(args.items) if args.items else (["large"] if main_job or q else
                                                       ["large", "small"])
-        sw = workers or ([2] if q else [0, 2, 4, 8] if main_job else [0, 2, 4, 6, 8])
+        sw = workers or ([2] if q else [0, 2, 4, 6, 8])
         points += seed001_points(items, sw, batches=4 if q else 16, warmup=2 if q else 5)
     w_other = workers or [ncores]
     if "transport" in wls:

@@ -513,7 +513,7 @@ def test_default_run_is_the_main_job():
     name, points, names = cli.plan(cli.build_parser().parse_args([]))
     assert name == "main"
     assert [(p.workload, p.label, p.num_workers) for p in points] == [
-        ("seed001", "large", w) for w in (0, 2, 4, 8)]
+        ("seed001", "large", w) for w in (0, 2, 4, 6, 8)]  # the 2, 4, 6 and 8
     assert cli.transports_for(points[0], names) == [
         "torch-pickle", "torch-shm", "shmloader", "shmloader-np", "spdl-arena"]
     assert cli.default_repeats(cli.build_parser().parse_args([])) == 3  # median [min-max]
