@@ -557,7 +557,11 @@ class _ShmLoaderIter(_PoolIter):
     # -- the next batch ------------------------------------------------------------------------------
 
     def __next__(self):
-        return self._resumable.next(self, super().__next__)  # a pending fast-forward, the epoch's end
+        # a pending fast-forward, the epoch's end; then torch's steps (torch_private.next_batch)
+        return self._resumable.next(self, self._next_batch)
+
+    def _next_batch(self):
+        return torch_private.next_batch(self)
 
     def _next_data(self):
         self._check_open()  # NOTE [ Shutdown ] in pool.py

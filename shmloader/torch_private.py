@@ -9,7 +9,8 @@ tests/test_torch_private.py checks that each name still exists with the shape sh
 Attributes of torch's iterator base class that shmloader's iterator reads (set by torch's
 `_BaseDataLoaderIter.__init__`/`_reset`): _dataset, _dataset_kind, _index_sampler, _num_workers,
 _auto_collation, _collate_fn, _drop_last, _pin_memory, _pin_memory_device, _timeout,
-_persistent_workers, _base_seed, _sampler_iter, _num_yielded, _next_index.
+_persistent_workers, _base_seed, _sampler_iter, _num_yielded, _next_index,
+_IterableDataset_len_called, _profile_name.
 """
 
 from __future__ import annotations
@@ -43,6 +44,23 @@ def is_iter_datapipe(dataset) -> bool:
     from torch.utils.data.datapipes.datapipe import IterDataPipe
 
     return isinstance(dataset, IterDataPipe)
+
+
+def next_batch(it):
+    """What torch's iterator `__next__` does (the epoch's sampler, `_next_data`, the count of
+    batches yielded), for shmloader's iterator `it`.  torch wraps it in a profiler range
+    (`record_function`), which costs ~17 us a batch even with no profiler on, when it records
+    nothing.  So torch's own `__next__` runs while a profiler is on (the range is there, named
+    as torch names it) and where torch would warn of an IterableDataset's stated length;
+    otherwise its steps run without the range."""
+    if torch._C._autograd._profiler_enabled() or (
+            it._dataset_kind == _DatasetKind.Iterable and it._IterableDataset_len_called is not None):
+        return _BaseDataLoaderIter.__next__(it)
+    if it._sampler_iter is None:
+        it._reset()
+    data = it._next_data()
+    it._num_yielded += 1
+    return data
 
 
 def create_fetcher(dataset_kind, dataset, auto_collation: bool, collate_fn, drop_last: bool):

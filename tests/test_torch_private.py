@@ -74,3 +74,35 @@ def test_worker_info_and_numpy_seed():
 
 def test_sparse_validation_hook():
     torch_private.validate_loaded_sparse_tensors()  # nothing pending: a no-op that exists
+
+
+class CountWithShortLen(IterableDataset):
+    def __iter__(self):
+        info = get_worker_info()
+        start, step = (0, 1) if info is None else (info.id, info.num_workers)
+        return iter(range(start, 6, step))
+
+    def __len__(self):
+        return 2
+
+
+def test_next_batch_keeps_torchs_profiler_range_and_length_warning():
+    """next_batch skips torch's record_function only while no profiler is on: under one, each
+    batch has its range, named as torch names it; and an IterableDataset yielding more than its
+    __len__ warns as under torch."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from shmloader import ShmDataLoader
+
+    loader = ShmDataLoader(Squares(), batch_size=1, num_workers=1)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        batches = list(loader)
+    ranges = [e.name for e in prof.events() if e.name.startswith("enumerate(DataLoader)#")]
+    assert len(batches) == 5
+    assert len(ranges) >= 5 and set(ranges) == {"enumerate(DataLoader)#_ShmLoaderIter.__next__"}
+    assert len(list(loader)) == 5  # and without a profiler, the same batches
+    shm = ShmDataLoader(CountWithShortLen(), batch_size=1, num_workers=1)
+    assert len(shm) == 2
+    with pytest.warns(UserWarning, match="Length of IterableDataset"):
+        got = [int(b) for b in shm]
+    assert got == list(range(6))
