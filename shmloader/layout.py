@@ -148,15 +148,35 @@ def _torch_takes_as_is(array: np.ndarray) -> bool:
     return all(s >= 0 and s % itemsize == 0 for s in array.strides)
 
 
+def _all_taken_as_is(batch, dtype: np.dtype) -> bool:
+    """Whether every array of `batch` has `dtype` and memory torch takes as it is; the strides
+    are checked once per distinct strides (samples of a batch mostly share theirs)."""
+    checked = set()
+    for array in batch:
+        if array.dtype != dtype:
+            return False
+        strides = array.strides
+        if strides not in checked:
+            if not _torch_takes_as_is(array):
+                return False
+            checked.add(strides)
+    return True
+
+
 def _stack_arrays(batch, *, collate_fn_map=None):
     elem = batch[0]
     if torch_private.np_str_obj_array_pattern.search(elem.dtype.str) is not None:
         raise _UncollatableArray(elem, TypeError(torch_private.default_collate_err_msg_format.format(elem.dtype)))
     dtype = _NUMPY_TO_TORCH.get(elem.dtype)
-    if dtype is None or not all(a.dtype == elem.dtype and _torch_takes_as_is(a) for a in batch):
+    if dtype is None or not _all_taken_as_is(batch, elem.dtype):
         return _collate_as_tensors(batch, collate_fn_map)
-    problem = _first_mismatch(batch, lambda a: a.shape)
-    return StackedLeaf(batch, dtype, tuple(elem.shape), problem)
+    shape = elem.shape
+    problem = None
+    for array in batch:
+        if array.shape != shape:
+            problem = _first_mismatch(batch, lambda a: a.shape)
+            break
+    return StackedLeaf(batch, dtype, shape, problem)
 
 
 def _collate_as_tensors(batch, collate_fn_map):
