@@ -85,11 +85,31 @@ def test_seed001_items_are_as_posted():
 def test_batch_bytes_match_what_the_collates_make(make):
     for p in make():
         ds = p.dataset()
-        assert len(ds) == (p.warmup + p.batches) * p.batch_size
+        assert len(ds) == (p.warmup + max(p.batches, p.max_batches)) * p.batch_size
         samples = [ds[i] for i in range(p.batch_size)]
         for kind in ("numpy", "default", "np-stack"):
             batch = p.collate(kind)(samples)
             assert _nbytes(batch) == p.batch_bytes, (p.key, kind)
+
+
+@pytest.mark.timeout(60)
+def test_a_run_times_its_window_for_every_transport():
+    """A fast transport's run goes on past the point's minimum of batches until it has timed
+    `window_s`; a point without a window times its batches exactly."""
+    import dataclasses
+
+    from bench.measure import run_loader
+
+    (p,) = transport_points([64 * 1024], consumers=["touch"], quick=True)
+    assert p.window_s == 0 and transport_points([64 * 1024], consumers=["touch"])[0].window_s >= 1
+    windowed = dataclasses.replace(p, batches=4, window_s=0.5, max_batches=100000)
+    t = all_transports()["torch-pickle"]
+    with MemWatch(enabled=False) as watch:
+        exact = run_loader(t, dataclasses.replace(p, batches=4), watch)
+        timed = run_loader(t, windowed, watch)
+    assert exact["batches_timed"] == 4
+    assert timed["batches_timed"] > 4
+    assert timed["batches_timed"] * timed["s_per_batch"] >= 0.5
 
 
 @pytest.mark.timeout(30)
