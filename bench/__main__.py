@@ -33,10 +33,13 @@ from .measure import MemWatch, run_once, seed_costs, wait_quiet
 from .transports import all_transports, cores, shmloader_status, skip_reason
 from .workloads import (
     DEFAULT_SIZES,
+    EXTRA_WORKLOADS,
     MODE_WORKLOADS,
+    PACED_SIZES,
     WORKLOADS,
     MiB,
     epochs_points,
+    paced_points,
     parse_size,
     rows_points,
     seed001_points,
@@ -55,6 +58,8 @@ MODE_TRANSPORTS = {
     "rows": ("torch-shm", "shmloader", "shmloader-rows"),
 }
 MODE_ONLY = ("shmloader-no-epoch-prefetch", "shmloader-rows")
+# paced: the main process's CPU while it waits, for the loaders that deliver without pickling
+PACED_TRANSPORTS = ("torch-shm", "shmloader", "shmloader-np-stack", "spdl-arena")
 EPOCHS_WORKERS = 4  # 4 x 32 samples x 3 ms: the workers keep ahead of the 0.05 s step
 ROWS_WORKERS = 8
 MAIN_REPEATS = 3  # runs per cell (main job too): median [min-max] of three interleaved runs
@@ -76,7 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=__doc__.split("\n\n", 1)[1],
     )
     ap.add_argument("--workload", "-w", default=None,
-                    help=f"comma list of {', '.join(WORKLOADS + MODE_WORKLOADS)}, or 'all' "
+                    help=f"comma list of {', '.join(WORKLOADS + EXTRA_WORKLOADS + MODE_WORKLOADS)}, or 'all' "
                          "(default: the main job, seed001 large items; --quick alone runs "
                          f"{', '.join(WORKLOADS)})")
     ap.add_argument("--sizes", default=None,
@@ -121,13 +126,13 @@ def plan(args) -> tuple[str, list, list[str]]:
     if args.workload in (None, ""):
         wls = ["seed001"] if main_job else list(WORKLOADS)
     elif args.workload == "all":
-        wls = list(WORKLOADS + MODE_WORKLOADS)
+        wls = list(WORKLOADS + EXTRA_WORKLOADS + MODE_WORKLOADS)
     else:
         wls = _names(args.workload)
         for w in wls:
-            if w not in WORKLOADS + MODE_WORKLOADS:
+            if w not in WORKLOADS + EXTRA_WORKLOADS + MODE_WORKLOADS:
                 raise SystemExit(f"--workload: unknown workload {w!r} "
-                                 f"(choose from {WORKLOADS + MODE_WORKLOADS})")
+                                 f"(choose from {WORKLOADS + EXTRA_WORKLOADS + MODE_WORKLOADS})")
     consumers = _names(args.consumers)
     for c in consumers:
         if c not in ("touch", "read"):
@@ -146,6 +151,9 @@ def plan(args) -> tuple[str, list, list[str]]:
         sizes = ([parse_size(s) for s in _names(args.sizes)] if args.sizes else
                  [1 * MiB, 16 * MiB] if q else list(DEFAULT_SIZES))
         points += transport_points(sizes, w_other, consumers, quick=q)
+    if "paced" in wls:
+        sizes = [parse_size(s) for s in _names(args.sizes)] if args.sizes else PACED_SIZES
+        points += paced_points(sizes, w_other, quick=q)
     if "small" in wls:
         points += small_points(w_other, quick=q)
     if "vision" in wls:
@@ -198,6 +206,8 @@ def transports_for(point, names: list[str], explicit: bool = False) -> list[str]
         return [n for n in names if n in SEED_TRANSPORTS]
     if point.workload in MODE_TRANSPORTS:
         return [n for n in names if n in MODE_TRANSPORTS[point.workload]]
+    if point.workload == "paced" and not explicit:
+        return [n for n in names if n in PACED_TRANSPORTS]
     if explicit:
         return names
     return [n for n in names if n != "shmloader-np" and n not in MODE_ONLY]

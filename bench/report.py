@@ -429,7 +429,7 @@ def format_report(doc: dict) -> str:
         t = table(doc)
         if t:
             out += [t, ""]
-    wl_order = ("seed001", "transport", "small", "vision")
+    wl_order = ("seed001", "transport", "paced", "small", "vision")
     for wl in wl_order:
         pts = [p for p in doc["points"] if p["workload"] == wl]
         if not pts:
@@ -437,6 +437,10 @@ def format_report(doc: dict) -> str:
         out.append(f"{wl}: medians over repeats; 'vs X' = X's s/batch / this one's "
                    f"(>1 = faster); 'of memcpy' = share of one-core memcpy bandwidth")
         out += [point_table(pts), ""]
+    paced = paced_lines(doc)
+    if paced:
+        out += ["main-process CPU per batch with the loop waiting for every batch (paced), "
+                "largest over smallest batch, median of the repeats:", *paced, ""]
     timing = timing_lines(doc)
     if timing:
         out += ["shmloader's stall diagnostics (stats().timing): s/batch on / off - 1, each "
@@ -447,6 +451,27 @@ def format_report(doc: dict) -> str:
     for w in doc.get("warnings", []):
         out.append(f"WARNING: {w}")
     return "\n".join(out).rstrip() + "\n"
+
+
+def paced_lines(doc: dict) -> list[str]:
+    """Per transport of the paced workload: main-process CPU per batch at the largest batch over
+    that at the smallest (2x is the issue's ceiling)."""
+    pts = sorted((p for p in doc["points"] if p["workload"] == "paced"), key=lambda p: p["batch_bytes"])
+    if len(pts) < 2:
+        return []
+    small, large = point_summary(pts[0]), point_summary(pts[-1])
+
+    def cpu(point, name):
+        summary = (point["transports"].get(name) or {}).get("summary") or {}
+        return (summary.get("main_cpu_s_per_batch") or {}).get("median")
+
+    out = []
+    for name in small["transports"]:
+        a, b = cpu(small, name), cpu(large, name)
+        if a and b:
+            out.append(f"  {name}: {b * 1e3:.3f} ms at {pts[-1]['label']} / {a * 1e3:.3f} ms at "
+                       f"{pts[0]['label']} = {b / a:.2f}x")
+    return out
 
 
 def timing_lines(doc: dict) -> list[str]:

@@ -14,6 +14,10 @@ Workloads
                16 samples per batch, batches of 1 MiB .. 256 MiB; the consumer only touches the
                batch, or reads every byte.
 ``small``      4 KiB batches (32 samples of 128 B): the control path dominates.
+``paced``      ``transport``'s batches (1 MiB and 256 MiB by default) from samples that each sleep
+               PACED_SAMPLE_S first, so that a batch comes every ~30-45 ms at 2 workers and the
+               loop waits for every batch at every size: main-process CPU per batch against
+               batch size, with the loop waiting at both (only where named, or ``-w all``).
 ``vision``     dict samples ``{"image": uint8 (3,224,224), "label": int, "name": str}``, batch 64.
 ``epochs``     the epoch boundary: a map-style dataset of float32 (1000, 150) samples after a 3 ms
                sleep, batch 32, ``shuffle=True`` with a seeded ``torch.Generator``,
@@ -102,6 +106,18 @@ class PremadeDataset(Dataset):
         return self.length
 
     def __getitem__(self, i):
+        return self.samples[i % len(self.samples)]
+
+
+class PacedDataset(PremadeDataset):
+    """PremadeDataset whose samples each take `sample_s` (a sleep: no CPU) to fetch."""
+
+    def __init__(self, sample_bytes: int, length: int, distinct: int, sample_s: float):
+        super().__init__(sample_bytes, length, distinct)
+        self.sample_s = sample_s
+
+    def __getitem__(self, i):
+        time.sleep(self.sample_s)
         return self.samples[i % len(self.samples)]
 
 
@@ -220,6 +236,9 @@ class Point:
         n = (self.warmup + max(self.batches, self.max_batches)) * self.batch_size
         if self.workload in ("transport", "small"):
             return PremadeDataset(self.batch_bytes // self.batch_size, n, distinct=self.batch_size)
+        if self.workload == "paced":
+            return PacedDataset(self.batch_bytes // self.batch_size, n, self.batch_size,
+                                self.params["sample_s"])
         if self.workload == "vision":
             return VisionDataset(n)
         if self.workload == "epochs":
@@ -241,6 +260,7 @@ class Point:
         return {
             "seed001": collate_fn,
             "transport": stack_collate,
+            "paced": stack_collate,
             "small": stack_collate,
             "vision": vision_numpy_collate,
             "epochs": np_stack_collate,
@@ -340,6 +360,22 @@ def transport_points(sizes, workers=(2,), consumers=("touch", "read"), quick=Fal
     return out
 
 
+PACED_SAMPLE_S = 0.004  # 16 samples: 64 ms a batch per worker, ~32 ms a batch at 2 workers
+PACED_SIZES = (1 * MiB, 256 * MiB)
+
+
+def paced_points(sizes=PACED_SIZES, workers=(2,), quick=False):
+    """The transport batches at a pace that keeps the loop waiting (see ``paced`` above)."""
+    sample_s = PACED_SAMPLE_S / (4 if quick else 1)
+    return [
+        Point("paced", size_label(size), 16, size, w, "touch", steady_warmup(w),
+              4 if quick else 20, {"samples_per_batch": 16, "sample_s": sample_s},
+              **_window(size, quick))
+        for size in sizes
+        for w in workers
+    ]
+
+
 def small_points(workers=(2,), quick=False):
     return [
         Point("small", "4KiB", 32, 4096, w, "touch", max(50, steady_warmup(w)),
@@ -391,4 +427,5 @@ def rows_points(workers=(8,), quick=False, batches=16, warmup=5):
 
 WORKLOADS = ("seed001", "transport", "small", "vision")
 MODE_WORKLOADS = ("epochs", "rows")  # only where named (or -w all): see the module docstring
+EXTRA_WORKLOADS = ("paced",)  # only where named (or -w all), with the point tables
 DEFAULT_SIZES = (1 * MiB, 16 * MiB, 64 * MiB, 256 * MiB)

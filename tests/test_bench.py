@@ -551,6 +551,31 @@ def test_default_run_is_the_main_job():
         cli.plan(cli.build_parser().parse_args(["-w", "nope"]))
 
 
+@pytest.mark.timeout(30)
+def test_paced_points_keep_the_loop_waiting_and_report_the_cpu_ratio():
+    """`-w paced`: transport batches at 1 MiB and 256 MiB whose samples sleep, so the loop waits
+    for every batch at both sizes; the report divides main-process CPU at the largest by the
+    smallest, per transport."""
+    name, points, names = cli.plan(cli.build_parser().parse_args(["-w", "paced"]))
+    assert [(p.workload, p.batch_bytes, p.num_workers) for p in points] == [
+        ("paced", MiB, cli.cores()), ("paced", 256 * MiB, cli.cores())]
+    assert cli.transports_for(points[0], names) == ["torch-shm", "shmloader", "shmloader-np-stack",
+                                                    "spdl-arena"]
+    ds = points[0].dataset()
+    t0 = time.perf_counter()
+    sample = ds[3]
+    assert time.perf_counter() - t0 >= points[0].params["sample_s"] and sample.nbytes == MiB // 16
+
+    def point(label, nbytes, cpus):
+        return {"key": f"paced/{label}/w2/touch", "workload": "paced", "label": label,
+                "batch_bytes": nbytes, "transports": {"shmloader": {"repeats": [
+                    {"s_per_batch": 0.03, "main_cpu_s_per_batch": c} for c in cpus]}}}
+
+    doc = {"points": [point("256MiB", 256 * MiB, [0.0006, 0.0005, 0.0007]),
+                      point("1MiB", MiB, [0.0002, 0.00025, 0.0003])]}
+    (line,) = report.paced_lines(doc)
+    assert line == "  shmloader: 0.600 ms at 256MiB / 0.250 ms at 1MiB = 2.40x"
+
 @pytest.mark.timeout(120)
 def test_quick_runs_end_to_end(tmp_path):
     before = shm_entries()
@@ -573,3 +598,4 @@ def test_quick_runs_end_to_end(tmp_path):
     assert (tmp_path / "quick-gbps.png").exists() and (tmp_path / "quick-seed001.png").exists()
     assert "seconds per batch" in proc.stdout
     assert shm_entries() <= before
+
