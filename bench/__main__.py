@@ -182,6 +182,14 @@ def plan(args) -> tuple[str, list, list[str]]:
     return name, points, names
 
 
+def point_bound(p) -> float:
+    """The work bound of a seed001 or rows point, its costs measured now (a fresh process)."""
+    costs = seed_costs(p.label, cores())
+    if p.workload == "rows":
+        costs = rows_costs(costs, p.batch_size, p.params["step_s"])
+    return stats.seed_work_bound(p.num_workers, copies=0 if p.num_workers == 0 else 1, **costs)
+
+
 def rows_costs(costs: dict, batch_size: int, step_s: float) -> dict:
     """seed001's measured per-batch costs (128 items) for a ``rows`` batch of ``batch_size``
     items and its step: fetch, compute and copy scale with the items."""
@@ -276,6 +284,9 @@ def run(args) -> dict:
         doc["work_bound"] = {
             "costs": costs,
             "by_point": by_point,
+            # measured again before each repeat of a point, so each repeat's runs are set
+            # against the machine as it was then (it moves by 50% between runs on a shared VM)
+            "by_point_repeat": {p.key: [] for p in seed_pts + rows_pts},
             "rule": "no workers: fetch + compute + step; w workers: max(step, (fetch + compute + "
                     "copy) / w, (compute + copy) / min(w, cores)); rows: seed001's costs "
                     "scaled to its batch (items / 128), its own step",
@@ -300,6 +311,8 @@ def run(args) -> dict:
                 if why_not:
                     pdoc["transports"][tn] = {"skipped": why_not}
             for r in range(repeats):
+                if p.key in doc.get("work_bound", {}).get("by_point_repeat", {}):
+                    doc["work_bound"]["by_point_repeat"][p.key].append(point_bound(p))
                 for tn in tnames:  # interleaved: A B C A B C ...
                     tdoc = pdoc["transports"][tn]
                     prog.show(f"{p.key} {tn} #{r + 1}")

@@ -253,6 +253,7 @@ def seed_table(doc: dict, items: str = "large") -> str:
     pts.sort(key=lambda p: p["num_workers"])
     bounds = doc.get("work_bound", {}).get("by_point", {})
     cols = [t for t in LOADERS if any(t in p["transports"] for p in pts)]
+    repeat_bounds = doc.get("work_bound", {}).get("by_point_repeat", {})
     rows, ratio_rows, skipped = [], [], {}
     for p in pts:
         runs = {c: stats.per_repeat(p["transports"].get(c, {}).get("repeats", [])) for c in cols}
@@ -261,10 +262,13 @@ def seed_table(doc: dict, items: str = "large") -> str:
             if why:
                 skipped.setdefault((c, why), []).append(str(p["num_workers"]))
         bound = bounds.get(p["key"])
+        per_repeat = repeat_bounds.get(p["key"])
         rows.append([str(p["num_workers"]),
                      *[_cell(list(runs[c].values()), ".3f") for c in cols],
-                     f"{bound:.3f}" if bound else "-"])
-        if bound:
+                     _cell(per_repeat, ".3f") if per_repeat else f"{bound:.3f}" if bound else "-"])
+        if per_repeat:
+            runs["bound"] = dict(enumerate(per_repeat))  # repeat r's, measured just before it
+        elif bound:
             runs["bound"] = {k: bound for k in stats.best_per_repeat(
                 *(runs.get(c, {}) for c in ("shmloader", "shmloader-np")))}
         cells = []
@@ -362,15 +366,20 @@ def rows_table(doc: dict) -> str:
     out = []
     n = doc["config"].get("repeats", 1)
     bounds = doc.get("work_bound", {}).get("by_point", {})
+    repeat_bounds = doc.get("work_bound", {}).get("by_point_repeat", {})
     for p in [p for p in doc["points"] if p["workload"] == "rows"]:
         prm = p.get("params", {})
         shape = "x".join(str(d) for d in prm.get("shape", ()))
         bound = bounds.get(p["key"])
+        per_repeat = repeat_bounds.get(p["key"])
+        if per_repeat:
+            said = f"work bound {_cell(per_repeat, '.3f')} s/batch, measured before each repeat"
+        else:
+            said = f"work bound {bound:.3f} s/batch" if bound else "no work bound"
         out.append(
             f"rows (seed001 map-style: {shape} float64 items, batch {p['batch_size']}, "
             f"default_collate, {p['num_workers']} workers, {prm.get('step_s')} s step, "
-            f"{p['warmup']} + {p['batches']} batches): median [min-max] of {n} run(s); "
-            + (f"work bound {bound:.3f} s/batch" if bound else "no work bound"))
+            f"{p['warmup']} + {p['batches']} batches): median [min-max] of {n} run(s); " + said)
         ref = p["transports"].get("torch-shm", {}).get("repeats", [])
         ref_ttfb = stats.per_repeat(ref, "first_batch_s")
         ref_mem = stats.per_repeat(ref, "peak_mem_bytes")
@@ -393,7 +402,8 @@ def rows_table(doc: dict) -> str:
                 _cell([v / (1 << 20) for v in shm.values()], ".0f"),
                 "" if tn == "torch-shm" else _per_repeat_ratio(ttfb, ref_ttfb),
                 "" if tn == "torch-shm" else _per_repeat_ratio(mem, ref_mem),
-                _per_repeat_ratio(sb, {k: bound for k in sb}) if bound else "-",
+                (_per_repeat_ratio(sb, dict(enumerate(per_repeat))) if per_repeat else
+                 _per_repeat_ratio(sb, {k: bound for k in sb}) if bound else "-"),
             ])
         out.append(_table(rows, ["transport", "TTFB s", "steady s/batch", "median s/batch",
                                  "total s", "peak mem MiB", "peak shm MiB", "TTFB / torch-shm",

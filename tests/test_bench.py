@@ -524,6 +524,16 @@ def test_seed_table_prints_median_and_range_of_the_repeats():
     assert "2.00x [1.50-2.00]" in text
 
 
+@pytest.mark.timeout(30)
+def test_a_bound_measured_before_each_repeat_is_paired_with_that_repeat():
+    doc = _seed_doc()
+    doc["work_bound"]["by_point_repeat"] = {doc["points"][1]["key"]: [0.09, 0.055, 0.05]}
+    text = report.seed_table(doc, "large")
+    assert "0.055 [0.050-0.090]" in text  # the bound column: the repeats' bounds
+    # best of shmloader's two collates / that repeat's bound: 0.09/0.09, 0.11/0.055, 0.10/0.05
+    assert "2.00x [1.00-2.00]" in text and "1.25x" not in text
+
+
 # ---------------------------------------------------------------------------------------------
 # the CLI
 
