@@ -49,7 +49,9 @@ from .workloads import (
 )
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-SEED_TRANSPORTS = ("torch-pickle", "torch-shm", "shmloader-np", "shmloader", "spdl-arena")
+SEED_TRANSPORTS = ("torch-pickle", "torch-shm", "shmloader-np", "shmloader", "spdl-arena",
+                   "work-only")
+SEED_ONLY = ("shmloader-np", "work-only")  # left out of the other workloads unless named
 OTHER_TRANSPORTS = ("torch-pickle", "torch-shm", "torch-pickle-np", "shmloader",
                     "shmloader-np-stack", "spdl-arena", "memcpy", "memcpy-*")
 # the mode workloads' transports (bench.transports; a mode's is skipped where not yet built)
@@ -97,8 +99,8 @@ def build_parser() -> argparse.ArgumentParser:
                          "byte) (default both)")
     ap.add_argument("--transports", default=None,
                     help="comma list of torch-pickle, torch-shm, torch-pickle-np, shmloader, "
-                         "shmloader-np, shmloader-np-stack, spdl-arena, memcpy, memcpy-Nc "
-                         "(default: all that apply), and shmloader-untimed (shmloader with "
+                         "shmloader-np, shmloader-np-stack, spdl-arena, work-only (seed001), memcpy, "
+                         "memcpy-Nc (default: all that apply), and shmloader-untimed (shmloader with "
                          "SHMLOADER_TIMING=0: the cost of stats().timing, only when named)")
     ap.add_argument("--repeats", type=int, default=None,
                     help=f"runs per transport and point (default {MAIN_REPEATS}; --quick 1)")
@@ -205,9 +207,9 @@ def default_repeats(args) -> int:
 
 
 def transports_for(point, names: list[str], explicit: bool = False) -> list[str]:
-    """seed001 compares the loaders of SEED_TRANSPORTS (no memcpy: the work bound is its
-    reference); the other workloads leave out shmloader-np unless it was asked for by name (its
-    numpy collate there is the ``np.stack`` that shmloader-np-stack runs). The mode workloads
+    """seed001 compares the loaders of SEED_TRANSPORTS (no memcpy: the work bound and work-only
+    are its references); the other workloads leave out SEED_ONLY unless asked for by name
+    (shmloader-np's numpy collate there is the ``np.stack`` that shmloader-np-stack runs). The mode workloads
     (epochs, rows) run their MODE_TRANSPORTS only; their mode-only transports run nowhere else
     unless named."""
     if point.workload == "seed001":
@@ -218,7 +220,7 @@ def transports_for(point, names: list[str], explicit: bool = False) -> list[str]
         return [n for n in names if n in PACED_TRANSPORTS]
     if explicit:
         return names
-    return [n for n in names if n != "shmloader-np" and n not in MODE_ONLY]
+    return [n for n in names if n not in SEED_ONLY and n not in MODE_ONLY]
 
 
 class Progress:

@@ -518,16 +518,10 @@ def seed_costs(items: str = "large", cores: int = 1) -> dict:
 
 
 def _seed_costs_here(items: str) -> dict:
-    import ctypes
-
+    from .work_only import keep_freed_memory
     from .workloads import SEED_BATCH, SEED_FETCH_S, SEED_SHAPES
 
-    try:  # keep freed memory in the heap: M_TRIM_THRESHOLD (-1), M_MMAP_THRESHOLD (-3)
-        libc = ctypes.CDLL("libc.so.6")
-        libc.mallopt(-1, 1 << 30)
-        libc.mallopt(-3, 32 << 20)
-    except OSError:
-        pass
+    keep_freed_memory()
     shape = SEED_SHAPES[items]
     t0 = time.perf_counter()
     for _ in range(SEED_BATCH):

@@ -17,7 +17,7 @@ from . import stats
 from .workloads import size_label
 
 SCHEMA = "shmloader-bench/1"
-LOADERS = ("torch-pickle", "torch-shm", "shmloader-np", "shmloader", "spdl-arena")
+LOADERS = ("torch-pickle", "torch-shm", "shmloader-np", "shmloader", "spdl-arena", "work-only")
 REFERENCES = ("torch-shm", "torch-pickle", "torch-pickle-np", "spdl-arena", "memcpy")
 
 # ---------------------------------------------------------------------------------------------
@@ -221,6 +221,7 @@ SEED_TITLES = {
     "torch-pickle": "torch posted", "torch-shm": "torch default_collate",
     "shmloader-np": "shmloader posted", "shmloader": "shmloader default_collate",
     "spdl-arena": "SPDL arena posted",
+    "work-only": "work only",
 }
 
 # (title, numerators, denominators): per repeat, the smallest s/batch among the numerators over
@@ -230,6 +231,8 @@ SEED_RATIOS = (
     ("vs torch default_collate", ("torch-shm",), ("shmloader",)),
     ("shmloader / work bound", ("shmloader", "shmloader-np"), ("bound",)),
     ("shmloader vs SPDL arena", ("spdl-arena",), ("shmloader-np",)),
+    ("shmloader / work only", ("shmloader", "shmloader-np"), ("work-only",)),
+    ("work only / work bound", ("work-only",), ("bound",)),
 )
 
 
@@ -290,7 +293,8 @@ def seed_table(doc: dict, items: str = "large") -> str:
     out += ["", f"seed001 ({items} items): ratios of s/batch, median [min-max] over the repeats, "
             "each repeat's runs paired (they ran back to back)",
             "('a vs b' = a's s/batch / b's: >1x = shmloader faster; posted = the posted "
-            "collate_fn; the bound: the better of shmloader's two collates / the work bound)",
+            "collate_fn; the bound: the better of shmloader's two collates / the work bound;",
+            " work only: the work in the same workers with no transport, bench/work_only.py)",
             _table([[r[0], *[r[1 + i] for i in keep]] for r in ratio_rows],
                    ["workers", *[SEED_RATIOS[i][0] for i in keep]])]
     return "\n".join(out)
@@ -520,7 +524,7 @@ COLORS = {
     "torch-pickle": "tab:red", "torch-shm": "tab:orange", "shmloader": "tab:blue",
     "shmloader-np": "tab:cyan", "memcpy": "black", "torch-pickle-np": "tab:pink",
     "shmloader-np-stack": "tab:purple", "spdl-arena": "tab:green",
-    "shmloader-untimed": "tab:gray",
+    "shmloader-untimed": "tab:gray", "work-only": "dimgray",
 }
 
 
@@ -540,6 +544,7 @@ SEED_LABELS = {
     "shmloader-np": "shmloader, posted collate",
     "shmloader": "shmloader, default_collate",
     "spdl-arena": "SPDL arena, posted collate",
+    "work-only": "work only (no transport)",
 }
 
 
@@ -548,7 +553,7 @@ def _draw(ax, series: dict, scale: float = 1.0, labels: dict | None = None) -> N
         xs = [p[0] for p in pts]
         ys = [p[1] * scale for p in pts]
         err = [[(p[1] - p[2]) * scale for p in pts], [(p[3] - p[1]) * scale for p in pts]]
-        style = "--" if tname.startswith("memcpy") else "-"
+        style = "--" if tname.startswith("memcpy") or tname == "work-only" else "-"
         ax.errorbar(xs, ys, yerr=err, marker="o", ms=4, ls=style, capsize=3,
                     color=COLORS.get(tname, "gray" if tname.startswith("memcpy") else None),
                     label=(labels or {}).get(tname, tname))
@@ -602,7 +607,10 @@ def plot(doc: dict, outdir: str, prefix: str) -> list[str]:
     sp = [p for p in doc["points"] if p["workload"] == "seed001"]
     items = sorted({p["label"] for p in sp})
     if sp:
-        bounds = doc.get("work_bound", {}).get("by_point", {})
+        bounds = dict(doc.get("work_bound", {}).get("by_point", {}))
+        for key, per_repeat in doc.get("work_bound", {}).get("by_point_repeat", {}).items():
+            if per_repeat:  # measured before each repeat: their median
+                bounds[key] = stats.median(per_repeat)
         fig, axes = plt.subplots(1, len(items), figsize=(6.5 * len(items), 4.5), squeeze=False)
         for ax, it in zip(axes[0], items):
             pts = [p for p in sp if p["label"] == it]

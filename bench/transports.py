@@ -25,6 +25,11 @@
                           arena=SharedMemorySegmentPool(...))`` per worker, merged in torch's
                           order (:mod:`bench.spdl_arena`); ``np_stack_collate``, for seed001 the
                           posted collate. Skipped without workers, or where spdl is not installed.
+``work-only``             no transport (seed001 only): the workload in forked workers with torch's
+                          round-robin order and prefetch depth, each batch copied once into a
+                          buffer the worker reuses and left there (:mod:`bench.work_only`): what
+                          the machine gives the work at this process count, the reference that
+                          shows what a transport costs.
 ``memcpy``                no loader: one copy of the batch's bytes between two preallocated
                           buffers in one process, on one core: the copy that no transport can
                           avoid.
@@ -60,7 +65,7 @@ from .workloads import Point
 @dataclass(frozen=True)
 class Transport:
     name: str
-    loader: str  # "torch" | "shmloader" | "spdl" | "memcpy"
+    loader: str  # "torch" | "shmloader" | "spdl" | "work" | "memcpy"
     collate: str = "default"  # "numpy" | "default" | "np-stack" (see Point.collate)
     threads: int = 1  # memcpy only
     seed_collate: str | None = None  # seed001's collate where it differs from ``collate``
@@ -100,6 +105,7 @@ def all_transports() -> dict[str, Transport]:
                                                  extra=(("prefetch_next_epoch", False),)),
         "shmloader-rows": Transport("shmloader-rows", "shmloader", "default",
                                     extra=(("sample_parallel", True),)),
+        "work-only": Transport("work-only", "work", "numpy"),
         "memcpy": Transport("memcpy", "memcpy", threads=1),
     }
     if n > 1:
@@ -142,6 +148,11 @@ def skip_reason(t: Transport, p: Point) -> str | None:
             ver = getattr(__import__("shmloader"), "__version__", "?")
             return (f"ShmDataLoader (shmloader {ver}) does not accept "
                     f"{', '.join(k + '=' for k in missing)}: mode not available in this build")
+    if t.loader == "work":
+        if p.workload != "seed001":
+            return "seed001 only: its collate returns arrays to copy, and it has a work bound"
+        if p.num_workers == 0:
+            return "no workers: the work bound is what the main process alone can do"
     if t.loader == "spdl":
         from .spdl_arena import spdl_status
 
@@ -190,6 +201,10 @@ def make_loader(t: Transport, p: Point, dataset=None):
         kw.pop("persistent_workers", None)  # one epoch per run: nothing to persist
         return SpdlArenaLoader(
             ds, segment_bytes=segment_bytes_for(p.batch_bytes, leaves=p.batch_size + 3), **kw)
+    if t.loader == "work":
+        from .work_only import WorkOnlyLoader
+
+        return WorkOnlyLoader(ds, **kw)
     raise ValueError(f"{t.name} is not a loader transport")
 
 

@@ -534,6 +534,50 @@ def test_a_bound_measured_before_each_repeat_is_paired_with_that_repeat():
     assert "2.00x [1.00-2.00]" in text and "1.25x" not in text
 
 
+@pytest.mark.timeout(30)
+def test_work_only_is_set_against_shmloader_and_the_bound():
+    doc = _seed_doc()
+    key = doc["points"][1]["key"]
+    tr = doc["points"][1]["transports"]
+    tr["work-only"] = {"repeats": [{"s_per_batch": s, "repeat": r}
+                                   for r, s in enumerate((0.09, 0.10, 0.08))]}
+    doc["points"][1] = report.point_summary(doc["points"][1])
+    text = report.seed_table(doc, "large")
+    assert "work only" in text and "0.090 [0.080-0.100]" in text
+    # shmloader's better collate / work only: 0.09/0.09, 0.11/0.10, 0.10/0.08
+    assert "1.10x [1.00-1.25]" in text
+    # work only / the bound (0.08): 1.125, 1.25, 1.0
+    assert "1.12x [1.00-1.25]" in text
+    assert key in doc["work_bound"]["by_point"]
+
+
+@pytest.mark.timeout(60)
+def test_work_only_makes_batches_in_order_within_the_prefetch_and_stops_its_workers():
+    from bench.work_only import WorkOnlyLoader
+
+    class Rows(torch.utils.data.Dataset):
+        def __len__(self):
+            return 10
+
+        def __getitem__(self, i):
+            return np.full(4, i, np.float64)
+
+    loader = WorkOnlyLoader(Rows(), batch_size=3, num_workers=2, collate_fn=lambda b: b,
+                            prefetch_factor=2)
+    assert list(loader) == [0, 1, 2, 3]  # round-robin over the 2 workers, the last batch short
+    procs = [c for c in __import__("multiprocessing").active_children()]
+    loader.close()
+    assert not any(p.is_alive() for p in procs)
+    with pytest.raises(RuntimeError, match="TypeError: .*a list of arrays of one shape"):
+        list(WorkOnlyLoader(Rows(), batch_size=2, num_workers=1,
+                            collate_fn=lambda b: {"x": b}))
+    (sp,) = seed001_points(["large"], [2])
+    t = all_transports()["work-only"]
+    assert skip_reason(t, sp) is None
+    assert "seed001 only" in skip_reason(t, transport_points([MiB], [2])[0])
+    assert "no workers" in skip_reason(t, seed001_points(["large"], [0])[0])
+
+
 # ---------------------------------------------------------------------------------------------
 # the CLI
 
@@ -545,7 +589,7 @@ def test_default_run_is_the_main_job():
     assert [(p.workload, p.label, p.num_workers) for p in points] == [
         ("seed001", "large", w) for w in (0, 2, 4, 6, 8)]  # the issue's 2, 4, 6 and 8
     assert cli.transports_for(points[0], names) == [
-        "torch-pickle", "torch-shm", "shmloader", "shmloader-np", "spdl-arena"]
+        "torch-pickle", "torch-shm", "shmloader", "shmloader-np", "spdl-arena", "work-only"]
     assert cli.default_repeats(cli.build_parser().parse_args([])) == 3  # median [min-max]
     assert cli.default_repeats(cli.build_parser().parse_args(["--quick"])) == 1
     assert all(p.warmup + p.batches >= 21 for p in points)  # the post's 5 + 16 at least
@@ -554,6 +598,7 @@ def test_default_run_is_the_main_job():
     assert [(p.batch_bytes, p.num_workers, p.consumer) for p in points] == [
         (MiB, 2, "read"), (MiB, 4, "read"), (256 * MiB, 2, "read"), (256 * MiB, 4, "read")]
     assert "shmloader-np" not in cli.transports_for(points[0], names)
+    assert "work-only" not in cli.transports_for(points[0], names)  # seed001's reference only
     assert "memcpy" in cli.transports_for(points[0], names)
     for n in ("torch-pickle-np", "shmloader-np-stack", "spdl-arena"):
         assert n in cli.transports_for(points[0], names)
