@@ -580,7 +580,8 @@ class _ShmLoaderIter(_PoolIter):
 
     def _next_data_inner(self):
         self._read_ahead()
-        self._scheduler.replenish()
+        with self._scheduler.deferring(self._loop_has_next(2)):  # NOTE [ Slots the loop gives back ]
+            self._scheduler.replenish()
         while True:
             while self._rcvd_idx < self._send_idx:
                 info = self._task_info.get(self._rcvd_idx)
@@ -620,11 +621,24 @@ class _ShmLoaderIter(_PoolIter):
 
     def _process_data(self, data, worker_id: int):
         self._workers_num_tasks[worker_id] -= 1
-        self._try_put_index()
+        with self._scheduler.deferring(self._loop_has_next(1)):  # NOTE [ Slots the loop gives back ]
+            self._try_put_index()
         if not isinstance(data, _Failure):
             self._batches += 1
         self._resumable.on_delivered(self._rcvd_idx - 1, worker_id, not isinstance(data, _Failure))
         return data
+
+    def _loop_has_next(self, count: int) -> bool:
+        """Whether the next `count` batches in order are here already, so that the training
+        loop will not wait for a batch before its next-but-`count` next() (in order only)."""
+        if not self._in_order:
+            return False
+        queued = {event[0] for event in self._events}
+        for idx in range(self._rcvd_idx, self._rcvd_idx + count):
+            info = self._task_info.get(idx)
+            if not (info is not None and len(info) == 2) and idx not in queued:
+                return False
+        return True
 
     # -- waiting on workers ----------------------------------------------------------------------
 

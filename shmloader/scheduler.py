@@ -31,9 +31,21 @@ NOTE [ Slot grants ]
   wait in the reorder buffer: no priority inversion, no deadlock.  Granted plus
   received-but-not-yielded slots stay within num_workers × prefetch_factor, as torch's in-flight
   batches do; held batches are detached from the ring.
+
+NOTE [ Slots the loop gives back ]
+  A slot is whole memory from the moment it exists, where torch's fresh segment fills as the
+  batch is stacked.  So when the training loop is the bottleneck (its next batch is already
+  here), a worker that needs a slot while none is free waits for the one the loop is about to
+  give back instead of getting a new segment: `deferring(True)` around the grants made inside
+  next() while the loop will not wait at its next call.  The worker loses nothing (the loop
+  would not take its batch sooner), and the ring stays at what is in flight.  The loop's next
+  next() grants again; whenever the main process is about to wait for a batch, grants are made
+  as usual (no deferral), so a worker never waits on a slot that the main process waits on.
 """
 
 from __future__ import annotations
+
+from contextlib import contextmanager
 
 from . import layout
 from .protocol import Forget, Grant, Ready
@@ -66,6 +78,7 @@ class SlotScheduler:
         self._grants: list[set[int]] = [set() for _ in range(num_workers)]
         self._quota = min(GRANTS_PER_WORKER, prefetch_factor)
         self._owed: dict[tuple[int, int], int] = {}  # (epoch, idx) -> worker, in send order
+        self._defer_new_segments = False  # NOTE [ Slots the loop gives back ]
         self.in_place_bytes = 0  # array bytes workers did not copy (NOTE in worker.py)
 
     # -- what the iterator tells it --------------------------------------------------------------
@@ -161,17 +174,31 @@ class SlotScheduler:
                     del known[slot]
                     self.send(worker_id, Forget(slot, generation))
 
+    @contextmanager
+    def deferring(self, defer: bool):
+        """While `defer`, grants take only created free slots (NOTE [ Slots the loop gives back ])."""
+        self._defer_new_segments = defer
+        try:
+            yield
+        finally:
+            self._defer_new_segments = False
+
     def _slot_available(self) -> bool:
         """Whether a slot can be granted now: a free one, one whose copy fence completes (waiting
-        for it beats a new segment), or a held one to detach within the user's cap."""
+        for it beats a new segment), or a held one to detach within the user's cap; while
+        deferring, only a free one that has its segment."""
         ring = self.ring
         ring.collect_released()
-        if ring.has_free_slot():
+        if ring.has_free_created_slot():
             return True
-        if self._pinner is not None and self._pinner.pending():
+        if not ring.has_free_slot() and self._pinner is not None and self._pinner.pending():
             self._pinner.pump(wait=True)  # NOTE [ Release fence ] in cuda.py
             ring.collect_released()
-        return ring.can_take()
+            if ring.has_free_created_slot():
+                return True
+        if self._defer_new_segments and ring.held():
+            return False  # the loop gives one back before it waits (NOTE [ Slots the loop ... ])
+        return ring.has_free_slot() or ring.can_take()
 
     def replenish(self) -> None:
         """Take back released slots and grant them to workers that have work."""

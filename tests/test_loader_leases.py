@@ -9,6 +9,7 @@ leaves are views into ring slots; control messages do not grow with the batch's 
 from __future__ import annotations
 
 import gc
+import time
 import weakref
 
 import numpy as np
@@ -82,6 +83,36 @@ def test_dropped_batches_free_their_slots_and_the_ring_stays_small():
     stats = shm.stats()
     assert stats.batches == 60
     assert stats.detached == 0 and stats.held_segments == 0 and stats.ring_slots == DEPTH, stats
+
+
+class _RowsOfOnes(torch.utils.data.Dataset):
+    """Rows of `row_bytes` (float32 ones, made once per row index) for large slots."""
+
+    def __init__(self, n: int, rows: int, row_bytes: int):
+        self.n, self.rows = n, [np.full(row_bytes // 4, i, np.float32) for i in range(rows)]
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        return self.rows[i % len(self.rows)]
+
+
+def test_a_loop_slower_than_its_workers_keeps_the_ring_at_what_is_in_flight():
+    """NOTE [ Slots the loop gives back ]: with large slots and a loop that reads every byte
+    (slower than 2 workers that copy), the ring holds the batches in flight and the one in the
+    loop's hand (prefetch_factor x num_workers + 1), not one more for the batch that the loop
+    still holds while next() hands it the next one."""
+    rows, row_bytes = 16, 9 << 18  # 36 MiB batches: above AHEAD_MAX_SLOT_BYTES
+    shm = ShmDataLoader(_RowsOfOnes(40 * rows, rows, row_bytes), batch_size=rows,
+                        num_workers=WORKERS, prefetch_factor=PREFETCH)
+    slots = []
+    for batch in shm:
+        assert float(batch.sum(dtype=torch.float64)) == sum(range(rows)) * row_bytes // 4  # every byte
+        time.sleep(0.01)  # and computes a little
+        slots.append(shm.stats().reserved_bytes // shm.stats().slot_bytes)
+    assert len(slots) == 40
+    assert max(slots) <= WORKERS * PREFETCH + 1, slots
 
 
 def test_holding_past_the_cap_raises_ring_full_error():

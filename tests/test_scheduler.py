@@ -164,3 +164,31 @@ def test_a_grant_to_go_on_with_only_for_small_slots(nbytes, ahead):
         assert len(workers.grants(0)) - before == (2 if ahead else 1)
     finally:
         scheduler.close()
+
+
+def test_while_deferring_a_grant_waits_for_the_slot_the_loop_holds():
+    """NOTE [ Slots the loop gives back ]: no new segment while the loop holds one and will
+    give it back before it waits; without deferral (the main process about to wait) one is made."""
+    workers = Workers(1)
+    scheduler = scheduler_for(workers, prefetch_factor=1)
+    try:
+        scheduler.task_sent(0, 0, 0)
+        held = workers.write(scheduler, 0, workers.grants(0)[-1], 0, 0, 1.0)  # the loop holds it
+        with scheduler.deferring(True):
+            scheduler.task_sent(0, 1, 0)
+        assert len(workers.grants(0)) == 1  # waits: the only slot is in the loop's hand
+        with scheduler.deferring(True):
+            scheduler.replenish()
+        assert len(workers.grants(0)) == 1
+        del held  # given back: granted again even while deferring, no new segment
+        with scheduler.deferring(True):
+            scheduler.replenish()
+        grants = workers.grants(0)
+        assert len(grants) == 2 and grants[1].slot == grants[0].slot and grants[1].capacity > 0
+        held = workers.write(scheduler, 0, grants[1], 0, 1, 2.0)
+        scheduler.task_sent(0, 2, 0)  # not deferring: the loop may wait on it, a new slot
+        grants = workers.grants(0)
+        assert len(grants) == 3 and grants[2].slot != grants[1].slot and grants[2].capacity == 0
+        del held
+    finally:
+        scheduler.close()
