@@ -33,7 +33,9 @@ NOTE [ Ring size ]
   depth = num_workers × prefetch_factor (batches in flight, as torch counts them) + CONSUMER_SLOTS
   (batches the training loop holds: the one in use and the one being fetched).  Slots are created
   on first use, and a slot is bound to a batch only once the batch exists (NOTE [ Slot grants ] in
-  scheduler.py), so a loop that keeps up creates far fewer than `depth`.  Slot size is learnt from
+  scheduler.py), so a loop that keeps up creates far fewer than `depth`, and one that falls
+  behind no more than the batches in flight and the one in its hand (NOTE [ Slots the loop gives
+  back ] in scheduler.py, large slots).  Slot size is learnt from
   the first batch (page-rounded) unless `slot_bytes` is given; a larger batch grows only its slot.
 """
 

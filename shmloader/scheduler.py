@@ -38,7 +38,9 @@ NOTE [ Slots the loop gives back ]
   here), a worker that needs a slot while none is free waits for the one the loop is about to
   give back instead of getting a new segment: `deferring(True)` around the grants made inside
   next() while the loop will not wait at its next call.  The worker loses nothing (the loop
-  would not take its batch sooner), and the ring stays at what is in flight.  The loop's next
+  would not take its batch sooner), and the ring stays at what is in flight.  Only for large
+  slots (above AHEAD_MAX_SLOT_BYTES), where a slot is worth saving: a small one costs little, and
+  the finished batch it lets a worker keep ready absorbs the loop's jitter.  The loop's next
   next() grants again; whenever the main process is about to wait for a batch, grants are made
   as usual (no deferral), so a worker never waits on a slot that the main process waits on.
 """
@@ -196,7 +198,7 @@ class SlotScheduler:
             ring.collect_released()
             if ring.has_free_created_slot():
                 return True
-        if self._defer_new_segments and ring.held():
+        if self._defer_new_segments and ring.held() and (ring.slot_bytes or 0) > AHEAD_MAX_SLOT_BYTES:
             return False  # the loop gives one back before it waits (NOTE [ Slots the loop ... ])
         return ring.has_free_slot() or ring.can_take()
 

@@ -166,12 +166,26 @@ def test_a_grant_to_go_on_with_only_for_small_slots(nbytes, ahead):
         scheduler.close()
 
 
-def test_while_deferring_a_grant_waits_for_the_slot_the_loop_holds():
-    """NOTE [ Slots the loop gives back ]: no new segment while the loop holds one and will
-    give it back before it waits; without deferral (the main process about to wait) one is made."""
+@pytest.mark.parametrize("large", [True, False])
+def test_while_deferring_a_grant_waits_for_the_slot_the_loop_holds(monkeypatch, large):
+    """NOTE [ Slots the loop gives back ]: for large slots, no new segment while the loop holds
+    one and will give it back before it waits; without deferral (the main process about to
+    wait) one is made. Small slots are never deferred."""
+    from shmloader import scheduler as scheduler_module
+
+    if large:  # the test's slots are small: make every slot count as large
+        monkeypatch.setattr(scheduler_module, "AHEAD_MAX_SLOT_BYTES", 0)
     workers = Workers(1)
     scheduler = scheduler_for(workers, prefetch_factor=1)
     try:
+        if not large:
+            scheduler.task_sent(0, 0, 0)
+            held = workers.write(scheduler, 0, workers.grants(0)[-1], 0, 0, 1.0)
+            with scheduler.deferring(True):
+                scheduler.task_sent(0, 1, 0)
+            assert len(workers.grants(0)) == 2  # a new one at once: small slots are cheap
+            del held
+            return
         scheduler.task_sent(0, 0, 0)
         held = workers.write(scheduler, 0, workers.grants(0)[-1], 0, 0, 1.0)  # the loop holds it
         with scheduler.deferring(True):
