@@ -57,7 +57,7 @@ OTHER_TRANSPORTS = ("torch-pickle", "torch-shm", "torch-pickle-np", "shmloader",
 # the mode workloads' transports (bench.transports; a mode's is skipped where not yet built)
 MODE_TRANSPORTS = {
     "epochs": ("torch-shm", "shmloader", "shmloader-no-epoch-prefetch"),
-    "rows": ("torch-shm", "shmloader", "shmloader-rows"),
+    "rows": ("torch-shm", "shmloader", "shmloader-rows", "work-only"),
 }
 MODE_ONLY = ("shmloader-no-epoch-prefetch", "shmloader-rows")
 # paced: the main process's CPU while it waits, for the loaders that deliver without pickling
@@ -99,7 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "byte) (default both)")
     ap.add_argument("--transports", default=None,
                     help="comma list of torch-pickle, torch-shm, torch-pickle-np, shmloader, "
-                         "shmloader-np, shmloader-np-stack, spdl-arena, work-only (seed001), memcpy, "
+                         "shmloader-np, shmloader-np-stack, spdl-arena, work-only (seed001, rows), memcpy, "
                          "memcpy-Nc (default: all that apply), and shmloader-untimed (shmloader with "
                          "SHMLOADER_TIMING=0: the cost of stats().timing, only when named)")
     ap.add_argument("--repeats", type=int, default=None,

@@ -404,8 +404,8 @@ def rows_table(doc: dict) -> str:
                 _cell(list(stats.per_repeat(reps, "total_s").values()), ".2f"),
                 _cell([v / (1 << 20) for v in mem.values()], ".0f"),
                 _cell([v / (1 << 20) for v in shm.values()], ".0f"),
-                "" if tn == "torch-shm" else _per_repeat_ratio(ttfb, ref_ttfb),
-                "" if tn == "torch-shm" else _per_repeat_ratio(mem, ref_mem),
+                "" if tn in ("torch-shm", "work-only") else _per_repeat_ratio(ttfb, ref_ttfb),
+                "" if tn in ("torch-shm", "work-only") else _per_repeat_ratio(mem, ref_mem),
                 (_per_repeat_ratio(sb, dict(enumerate(per_repeat))) if per_repeat else
                  _per_repeat_ratio(sb, {k: bound for k in sb}) if bound else "-"),
             ])
@@ -417,7 +417,8 @@ def rows_table(doc: dict) -> str:
                    "seed001 is timed; median: of those batches' own times (bursty: not a "
                    "throughput); total: iter() -> end of the last step; peak mem: PSS of main + "
                    "workers + /dev/shm above the start, shm: /dev/shm alone; x / y < 1: x is "
-                   "lower)")
+                   "lower; work-only: the work in the workers with no transport, its batches "
+                   "whole per worker, bench/work_only.py)")
         ns = [r.get("pss_samples") for t in p["transports"].values()
               for r in t.get("repeats", []) if r.get("pss_samples")]
         if ns:

@@ -25,8 +25,9 @@
                           arena=SharedMemorySegmentPool(...))`` per worker, merged in torch's
                           order (:mod:`bench.spdl_arena`); ``np_stack_collate``, for seed001 the
                           posted collate. Skipped without workers, or where spdl is not installed.
-``work-only``             no transport (seed001 only): the workload in forked workers with torch's
-                          round-robin order and prefetch depth, each batch copied once into a
+``work-only``             no transport (seed001 and rows): the workload in forked workers with
+                          torch's round-robin order and prefetch depth, each batch's records (the
+                          posted collate: the list of samples) copied once into a
                           buffer the worker reuses and left there (:mod:`bench.work_only`): what
                           the machine gives the work at this process count, the reference that
                           shows what a transport costs.
@@ -149,8 +150,8 @@ def skip_reason(t: Transport, p: Point) -> str | None:
             return (f"ShmDataLoader (shmloader {ver}) does not accept "
                     f"{', '.join(k + '=' for k in missing)}: mode not available in this build")
     if t.loader == "work":
-        if p.workload != "seed001":
-            return "seed001 only: its collate returns arrays to copy, and it has a work bound"
+        if p.workload not in ("seed001", "rows"):
+            return "seed001 and rows only: the workloads with a work bound"
         if p.num_workers == 0:
             return "no workers: the work bound is what the main process alone can do"
     if t.loader == "spdl":
@@ -203,7 +204,9 @@ def make_loader(t: Transport, p: Point, dataset=None):
             ds, segment_bytes=segment_bytes_for(p.batch_bytes, leaves=p.batch_size + 3), **kw)
     if t.loader == "work":
         from .work_only import WorkOnlyLoader
+        from .workloads import collate_fn as posted_collate
 
+        kw["collate_fn"] = posted_collate  # the records: WorkOnlyLoader copies them once
         return WorkOnlyLoader(ds, **kw)
     raise ValueError(f"{t.name} is not a loader transport")
 

@@ -574,7 +574,7 @@ def test_work_only_makes_batches_in_order_within_the_prefetch_and_stops_its_work
     (sp,) = seed001_points(["large"], [2])
     t = all_transports()["work-only"]
     assert skip_reason(t, sp) is None
-    assert "seed001 only" in skip_reason(t, transport_points([MiB], [2])[0])
+    assert "seed001 and rows only" in skip_reason(t, transport_points([MiB], [2])[0])
     assert "no workers" in skip_reason(t, seed001_points(["large"], [0])[0])
 
 

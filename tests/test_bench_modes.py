@@ -53,7 +53,8 @@ def test_mode_workloads_are_planned_apart():
     by = {p.workload: p for p in points}
     assert cli.transports_for(by["epochs"], names) == [
         "torch-shm", "shmloader", "shmloader-no-epoch-prefetch"]
-    assert cli.transports_for(by["rows"], names) == ["torch-shm", "shmloader", "shmloader-rows"]
+    assert cli.transports_for(by["rows"], names) == ["torch-shm", "shmloader", "shmloader-rows",
+                                                    "work-only"]
     assert not set(cli.transports_for(by["transport"], names)) & set(cli.MODE_ONLY)
     assert by["rows"].num_workers == 8 and by["rows"].batch_size == 128
     assert by["rows"].warmup + by["rows"].batches == 21  # timed as seed001
@@ -115,7 +116,7 @@ def test_rows_quick_end_to_end(tmp_path, capfd):
     (p,) = doc["points"]
     assert p["workload"] == "rows" and p["num_workers"] == 2
     assert doc["work_bound"]["by_point"][p["key"]] > 0
-    ran = ["torch-shm", "shmloader"]
+    ran = ["torch-shm", "shmloader", "work-only"]
     if _check_mode_transport(p["transports"]["shmloader-rows"], "sample_parallel"):
         ran.append("shmloader-rows")
     for tn in ran:
