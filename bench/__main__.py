@@ -111,7 +111,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--quick", action="store_true",
                     help="a little of every workload, one repeat: under a minute (CI)")
     ap.add_argument("--out", default=os.path.join(HERE, "results"), help="output folder")
-    ap.add_argument("--name", default=None, help="file prefix (default: main, quick or 'bench')")
+    ap.add_argument("--name", default=None, help="file prefix (default: main, quick, the workloads named with -w joined "
+                         "by '-', or 'bench' for -w all)")
     ap.add_argument("--no-plots", action="store_true", help="write no PNGs")
     ap.add_argument("--no-mem", action="store_true", help="do not sample memory")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
@@ -180,7 +181,9 @@ def plan(args) -> tuple[str, list, list[str]]:
     else:
         names = list(dict.fromkeys(SEED_TRANSPORTS + OTHER_TRANSPORTS + MODE_ONLY))
     names = [k for k in known if k in names or (k.startswith("memcpy-") and "memcpy-*" in names)]
-    name = args.name or ("main" if main_job else "quick" if q else "bench")
+    named = args.workload not in (None, "", "all")  # -w paced writes paced.json, and so on
+    name = args.name or ("main" if main_job else "quick" if q else "-".join(wls) if named
+                         else "bench")
     return name, points, names
 
 

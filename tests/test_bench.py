@@ -604,6 +604,10 @@ def test_default_run_is_the_main_job():
         assert n in cli.transports_for(points[0], names)
     with pytest.raises(SystemExit):
         cli.plan(cli.build_parser().parse_args(["-w", "nope"]))
+    # each workload's own file: -w paced then -w epochs do not overwrite one another
+    assert cli.plan(cli.build_parser().parse_args(["-w", "paced"]))[0] == "paced"
+    assert cli.plan(cli.build_parser().parse_args(["-w", "rows,epochs"]))[0] == "rows-epochs"
+    assert cli.plan(cli.build_parser().parse_args(["-w", "all"]))[0] == "bench"
 
 
 @pytest.mark.timeout(30)
