@@ -49,8 +49,9 @@ NOTE [ Samples born in the slot ]
   arena handed out in place (the collate_fn changed), it stops for good.  A batch whose arena
   holds more than the slot can lay out (dead temporaries) is laid out from the slot's start, what
   lies in the slot copied out first, never by growing the slot.  Slots made for a custom
-  collate_fn are 1/ARENA_MARGIN larger than the compact batch (worker.py), for the arena's block
-  prefixes.  Kept arrays are handled as for the collate_fn's own (the batch moved).
+  collate_fn are the compact batch plus worker.arena_slack: a block prefix per large leaf and a
+  little room for small temporaries.  Kept arrays are handled as for the collate_fn's own (the
+  batch moved).
 
   When it stops.  A sample with no array leaf of at least IN_PLACE_MIN_BYTES a row, or a batch
   in which no arena was taken (the dataset returns arrays it made before: nothing to gain), turns

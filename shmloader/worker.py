@@ -96,10 +96,23 @@ COLLATE_CUSTOM = "custom"  # the user's collate_fn, output copied once (or born 
 #   samples_in_slot.py, which also covers torch's default_collate).
 #   SHMLOADER_SLOT_ARENA=0 turns it off.
 ARENA_MIN_BYTES = 16 * 1024
-# A slot made for a custom collate_fn's batch is 1/ARENA_MARGIN larger than the batch laid out
-# compactly: the same arrays born in the arena take up to 127 more bytes each (a 64-byte size
-# prefix, 64-byte alignment), at most 1/128 of blocks of at least ARENA_MIN_BYTES.
+# A slot made for a custom collate_fn's batch holds the batch laid out compactly plus
+# `arena_slack`: the same arrays born in the arena take up to ARENA_BLOCK_SLACK more bytes each (a
+# 64-byte size prefix, 64-byte alignment), and a few small dead temporaries (the arena never
+# reuses a freed block) fit in 1/ARENA_MARGIN of the batch, up to ARENA_TEMPORARIES_MAX bytes.
+# A batch whose arena holds more is laid out from the slot's start (the slot does not grow).
+ARENA_BLOCK_SLACK = 128
 ARENA_MARGIN = 128
+ARENA_TEMPORARIES_MAX = 64 * 1024
+
+
+def arena_slack(plan) -> int:
+    """The bytes a slot needs beyond `plan` (a compact layout) for the same batch born in its
+    arena: ARENA_BLOCK_SLACK per leaf large enough to be an arena block, and room for small
+    temporaries.  At 256 MiB this is kilobytes where a flat 1/128 was 2 MiB a slot."""
+    ends = [offset for offset, _ in plan.leaves[1:]] + [plan.descriptor_offset]
+    blocks = sum(1 for (offset, _), end in zip(plan.leaves, ends) if end - offset >= ARENA_MIN_BYTES)
+    return ARENA_BLOCK_SLACK * blocks + min(plan.total_bytes // ARENA_MARGIN, ARENA_TEMPORARIES_MAX)
 
 
 class Shipped:
@@ -504,7 +517,7 @@ class _Worker:
                 current = segment.size if segment is not None else 0
                 needed = plan.total_bytes
                 if spec.collate_mode == COLLATE_CUSTOM:  # room for the arena's block prefixes
-                    needed += needed // ARENA_MARGIN
+                    needed += arena_slack(plan)
                 wanted = slot_capacity(needed, current, hint)
                 grown = create_segment(
                     wanted, granted + 1,

@@ -112,6 +112,24 @@ def test_arrays_the_collate_keeps_are_never_overwritten():
     del shm
 
 
+def two_stacks(samples):
+    return {"a": np.stack(samples), "b": np.stack([s[::-1] for s in samples])}
+
+
+@pytest.mark.parametrize("collate_fn", [stack, two_stacks])
+def test_large_slots_hold_the_batch_and_its_block_prefixes_not_a_fraction_more(collate_fn):
+    """A slot made for a custom collate_fn is the batch plus what its arena blocks need (a prefix
+    each, and 64 KiB at most for small temporaries), not a flat 1/128 of the batch (2 MiB per
+    slot at 256 MiB: above torch's memory at the same point); the batches are still born in it."""
+    row = 4 << 20  # 4 rows a batch: 16 MiB, or 32 MiB with two leaves
+    shm, ref, stats = _both(Rows(n=24, row=row), collate_fn, num_workers=1)
+    assert_same_batches(shm, ref)
+    batch_bytes = sum(leaf.nbytes for leaf in (ref[0].values() if isinstance(ref[0], dict) else [ref[0]]))
+    assert stats.slot_bytes - batch_bytes <= 96 * 1024, (stats.slot_bytes, batch_bytes)
+    assert stats.in_place_bytes >= (len(shm) - 3) * batch_bytes, stats
+    del shm
+
+
 class GrowingRows(Rows):
     def __getitem__(self, i):
         return np.full(self.count * (1 + i // 8), i, dtype=np.float32)
