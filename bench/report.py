@@ -471,7 +471,8 @@ def format_report(doc: dict) -> str:
 def paced_lines(doc: dict) -> list[str]:
     """Per transport of the paced workload: main-process CPU per batch at the largest batch over
     that at the smallest (2x is the issue's ceiling)."""
-    pts = sorted((p for p in doc["points"] if p["workload"] == "paced"), key=lambda p: p["batch_bytes"])
+    pts = sorted((p for p in doc["points"] if p["workload"] == "paced" and not p["params"].get("fresh")),
+                 key=lambda p: p["batch_bytes"])
     if len(pts) < 2:
         return []
     small, large = point_summary(pts[0]), point_summary(pts[-1])

@@ -18,6 +18,8 @@ Workloads
                PACED_SAMPLE_S first, so that a batch comes every ~30-45 ms at 2 workers and the
                loop waits for every batch at every size: main-process CPU per batch against
                batch size, with the loop waiting at both (only where named, or ``-w all``).
+               Plus ``256MiB-fresh``: the same, each sample a fresh copy (as a decoder's or an
+               augmentation's output is), for peak memory when samples are made, not held.
 ``vision``     dict samples ``{"image": uint8 (3,224,224), "label": int, "name": str}``, batch 64.
 ``epochs``     the epoch boundary: a map-style dataset of float32 (1000, 150) samples after a 3 ms
                sleep, batch 32, ``shuffle=True`` with a seeded ``torch.Generator``,
@@ -110,15 +112,20 @@ class PremadeDataset(Dataset):
 
 
 class PacedDataset(PremadeDataset):
-    """PremadeDataset whose samples each take `sample_s` (a sleep: no CPU) to fetch."""
+    """PremadeDataset whose samples each take `sample_s` (a sleep: no CPU) to fetch; with
+    `fresh`, each is a new copy (memory made per sample, as a decoder's output) rather than an
+    array the dataset holds."""
 
-    def __init__(self, sample_bytes: int, length: int, distinct: int, sample_s: float):
+    def __init__(self, sample_bytes: int, length: int, distinct: int, sample_s: float,
+                 fresh: bool = False):
         super().__init__(sample_bytes, length, distinct)
         self.sample_s = sample_s
+        self.fresh = fresh
 
     def __getitem__(self, i):
         time.sleep(self.sample_s)
-        return self.samples[i % len(self.samples)]
+        sample = self.samples[i % len(self.samples)]
+        return sample.copy() if self.fresh else sample
 
 
 def stack_collate(samples):
@@ -238,7 +245,7 @@ class Point:
             return PremadeDataset(self.batch_bytes // self.batch_size, n, distinct=self.batch_size)
         if self.workload == "paced":
             return PacedDataset(self.batch_bytes // self.batch_size, n, self.batch_size,
-                                self.params["sample_s"])
+                                self.params["sample_s"], self.params.get("fresh", False))
         if self.workload == "vision":
             return VisionDataset(n)
         if self.workload == "epochs":
@@ -365,13 +372,16 @@ PACED_SIZES = (1 * MiB, 256 * MiB)
 
 
 def paced_points(sizes=PACED_SIZES, workers=(2,), quick=False):
-    """The transport batches at a pace that keeps the loop waiting (see ``paced`` above)."""
+    """The transport batches at a pace that keeps the loop waiting (see ``paced`` above), and
+    the largest again with fresh samples."""
     sample_s = PACED_SAMPLE_S / (4 if quick else 1)
+    variants = [(size, False) for size in sizes] + [(max(sizes), True)]
     return [
-        Point("paced", size_label(size), 16, size, w, "touch", steady_warmup(w),
-              4 if quick else 20, {"samples_per_batch": 16, "sample_s": sample_s},
+        Point("paced", size_label(size) + ("-fresh" if fresh else ""), 16, size, w, "touch",
+              steady_warmup(w), 4 if quick else 20,
+              {"samples_per_batch": 16, "sample_s": sample_s, **({"fresh": True} if fresh else {})},
               **_window(size, quick))
-        for size in sizes
+        for size, fresh in variants
         for w in workers
     ]
 

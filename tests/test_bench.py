@@ -6,6 +6,7 @@ Runs on 2 cores without a GPU in little memory; ``--quick`` end to end is the la
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import os
 import subprocess
@@ -616,21 +617,26 @@ def test_paced_points_keep_the_loop_waiting_and_report_the_cpu_ratio():
     for every batch at both sizes; the report divides main-process CPU at the largest by the
     smallest, per transport."""
     name, points, names = cli.plan(cli.build_parser().parse_args(["-w", "paced"]))
-    assert [(p.workload, p.batch_bytes, p.num_workers) for p in points] == [
-        ("paced", MiB, cli.cores()), ("paced", 256 * MiB, cli.cores())]
+    assert [(p.workload, p.batch_bytes, p.num_workers, p.label) for p in points] == [
+        ("paced", MiB, cli.cores(), "1MiB"), ("paced", 256 * MiB, cli.cores(), "256MiB"),
+        ("paced", 256 * MiB, cli.cores(), "256MiB-fresh")]
     assert cli.transports_for(points[0], names) == ["torch-shm", "shmloader", "shmloader-np-stack",
                                                     "spdl-arena"]
     ds = points[0].dataset()
     t0 = time.perf_counter()
     sample = ds[3]
     assert time.perf_counter() - t0 >= points[0].params["sample_s"] and sample.nbytes == MiB // 16
+    assert sample is ds[3]  # held by the dataset; the fresh point's samples are new each time
+    fresh = dataclasses.replace(points[2], batch_bytes=MiB).dataset()  # small, for the test
+    assert fresh[3] is not fresh[3] and np.array_equal(fresh[3], sample)
 
-    def point(label, nbytes, cpus):
+    def point(label, nbytes, cpus, params=None):
         return {"key": f"paced/{label}/w2/touch", "workload": "paced", "label": label,
-                "batch_bytes": nbytes, "transports": {"shmloader": {"repeats": [
+                "batch_bytes": nbytes, "params": params or {}, "transports": {"shmloader": {"repeats": [
                     {"s_per_batch": 0.03, "main_cpu_s_per_batch": c} for c in cpus]}}}
 
     doc = {"points": [point("256MiB", 256 * MiB, [0.0006, 0.0005, 0.0007]),
+                      point("256MiB-fresh", 256 * MiB, [0.009, 0.009, 0.009], {"fresh": True}),
                       point("1MiB", MiB, [0.0002, 0.00025, 0.0003])]}
     (line,) = report.paced_lines(doc)
     assert line == "  shmloader: 0.600 ms at 256MiB / 0.250 ms at 1MiB = 2.40x"
