@@ -355,6 +355,13 @@ cdef class SlotArena:
         return (<uint64_t>(self._a.cursor - self._base) + SHM_ARENA_ALIGN - 1) // SHM_ARENA_ALIGN * SHM_ARENA_ALIGN
 
     @property
+    def begin(self):
+        """Offset in the slot of the arena's first byte."""
+        if self._a == NULL:
+            raise ValueError("this slot arena has been released")
+        return <uint64_t>(self._a.lo - self._base)
+
+    @property
     def taken(self):
         """Whether any block has been handed out."""
         return self._a != NULL and self._a.cursor != self._a.lo

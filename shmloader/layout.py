@@ -35,6 +35,7 @@ are written straight from each sample into the slot.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import io
 import math
@@ -533,6 +534,33 @@ def write_batch(segment: _ring.Segment, plan: BatchPlan, rows_in_slot: bool = Fa
             _copy_tensor(segment, offset, leaf)
     segment.write(plan.descriptor_offset, plan.descriptor)
     return in_place
+
+
+def settle_plan(segment: _ring.Segment, plan: BatchPlan) -> BatchPlan:
+    """`plan` with its sources settled against `segment` (as write_batch's `rows_in_slot` does),
+    so that once the caller drops the batch, an array born in the segment is alive only if
+    someone else keeps it."""
+    return dataclasses.replace(plan, leaves=_settle_sources(segment, plan.leaves))
+
+
+def rows_in_place(plan: BatchPlan) -> set[int]:
+    """The slot offsets of the stacked rows of a settled `plan` already at their place."""
+    return {offset + i * leaf.row_nbytes for offset, leaf in plan.leaves if type(leaf) is StackedLeaf
+            for i, row in enumerate(leaf.rows) if row is None}
+
+
+def unsettle_rows(segment: _ring.Segment, plan: BatchPlan) -> BatchPlan:
+    """A settled `plan` whose rows in place are read from `segment` instead (views, copied when
+    written), to write the batch into another segment."""
+    leaves = []
+    for offset, leaf in plan.leaves:
+        if type(leaf) is StackedLeaf and any(row is None for row in leaf.rows):
+            size = leaf.row_nbytes
+            rows = [np.frombuffer(segment, np.uint8, size, offset + i * size) if row is None else row
+                    for i, row in enumerate(leaf.rows)]
+            leaf = StackedLeaf(rows, leaf.dtype, leaf.row_shape)
+        leaves.append((offset, leaf))
+    return dataclasses.replace(plan, leaves=leaves)
 
 
 def _settle_sources(segment: _ring.Segment, leaves: list) -> list:

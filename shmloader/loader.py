@@ -240,7 +240,9 @@ class _Failure:
                 original = None
         summary = f"Caught {type_name.rsplit('.', 1)[-1]} {where}.\nOriginal {text}"
         exc: BaseException = WorkerError(summary)
-        if original is not None:
+        # SystemExit or KeyboardInterrupt in a worker ends that worker, not the training process:
+        # torch raises a RuntimeError for it, which `except Exception` catches; so does WorkerError.
+        if original is not None and isinstance(original, Exception):
             try:
                 exc = type(original)(summary)
             except Exception:

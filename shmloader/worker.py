@@ -96,6 +96,18 @@ COLLATE_CUSTOM = "custom"  # the user's collate_fn, output copied once (or born 
 #   samples_in_slot.py, which also covers torch's default_collate).
 #   SHMLOADER_SLOT_ARENA=0 turns it off.
 ARENA_MIN_BYTES = 16 * 1024
+# NOTE [ Arrays kept across batches ]
+#   A dataset or collate_fn may keep an array born in a slot and return it in a later batch (a
+#   shuffle buffer, a reorder queue, a collate_fn that returns an earlier batch).  Such an array
+#   must never be written over.  Two writes could do it: rows fetched in place, where row k's
+#   bytes are written from another source while the array born in row k is kept; and a batch laid
+#   out from the slot's start over its arena's blocks.  So before either write, the sources that
+#   lie in the slot are copied out (layout.settle_plan) and the worker drops the batch: a block
+#   still alive is then held by someone else.  If one lies where the write goes, the batch is
+#   written to a new segment for the slot (the rows in place read from the old one), and the old
+#   segment stays mapped, with what is kept, for as long as it lives.  Once written, a slot whose
+#   arena still has a live block is left to its keeper the same way (`_move_batch`).  Rows in
+#   place are never written, so a kept one is safe until then.
 # A slot made for a custom collate_fn's batch holds the batch laid out compactly plus
 # `arena_slack`: the same arrays born in the arena take up to ARENA_BLOCK_SLACK more bytes each (a
 # 64-byte size prefix, 64-byte alignment), and a few small dead temporaries (the arena never
@@ -511,6 +523,7 @@ class _Worker:
                 # from the slot's start instead, what lies in the slot copied out first.
                 plan, sources_in_slot = layout.plan_batch(batch), True
             if segment is None or plan.total_bytes > segment.size:
+                sources_in_slot = False  # a new segment: no source lies in it
                 if in_arena:  # a new segment gets every byte: nothing is in place there
                     plan = layout.plan_batch(batch)
                     in_arena = False
@@ -524,11 +537,20 @@ class _Worker:
                     f"slot {slot} of the ring ({spec.ring_depth} slots)",
                 )
                 segment, generation = grown, granted + 1
+            if sources_in_slot:  # NOTE [ Arrays kept across batches ]
+                plan, batch = layout.settle_plan(segment, plan), None
+                if self._keeps_arrays_in(segment, plan, arena if in_arena else None, in_slot):
+                    plan = layout.unsettle_rows(segment, plan)
+                    if grown is not None:
+                        grown.close_fd()  # never sent: the arrays born in it keep it mapped
+                    segment = grown = create_segment(
+                        segment.size, granted + 1, f"slot {slot} of the ring ({spec.ring_depth} slots)")
+                    generation, in_arena = granted + 1, False
             found = segment.claim(spec.worker_id, idx)
             if found != layout._ring.FREE:
                 segment = None  # not ours to release
                 raise SlotProtocolError(f"worker {spec.worker_id} found slot {slot} in state {found}, not FREE")
-            in_place = layout.write_batch(segment, plan, sources_in_slot) + plan.in_place_bytes
+            in_place = layout.write_batch(segment, plan) + plan.in_place_bytes
             published = (len(plan.descriptor), plan.total_bytes, plan.descriptor_offset)
             del batch, plan
             kept = 0
@@ -572,6 +594,17 @@ class _Worker:
                 if kept and returned is not None and self.grants and self.grants[0] is returned:
                     slot, generation, _capacity, hint = self.grants.popleft()
                     self.grants.appendleft((slot, generation, 0, hint))  # a new segment when used
+
+    def _keeps_arrays_in(self, segment, plan, arena, in_slot) -> bool:
+        """Whether the dataset or the collate_fn keeps an array born in `segment` where the settled
+        `plan` would write (NOTE [ Arrays kept across batches ]): the batch's own references are
+        dropped, so a live block is someone else's."""
+        if arena is not None and arena.live:
+            return True  # the batch is laid out from the slot's start, over the arena's blocks
+        if in_slot is not self.samples_in_slot or in_slot.segment is not segment:
+            return False
+        in_place = layout.rows_in_place(plan)
+        return any(row_arena.live and row_arena.begin not in in_place for row_arena in in_slot.arenas)
 
     def slot_arena(self, grant: tuple[int, int, int, int]):
         """(a SlotArena over the granted slot, the new segment made for it if the slot had none

@@ -301,3 +301,28 @@ def test_workers_start_when_stderr_has_no_file_descriptor(capsys, start_method):
     loader = ShmDataLoader(ds.ArrayDataset(n=8, nbytes=64), batch_size=2, num_workers=2,
                            multiprocessing_context=start_method)
     assert_same_batches(collect(loader), collect(DataLoader(ds.ArrayDataset(n=8, nbytes=64), batch_size=2)))
+
+
+class ExitsAt5(Dataset):
+    """A dataset whose sample 5 ends its process (a library calling sys.exit on bad input)."""
+
+    def __init__(self, exit_with: type[BaseException]):
+        self.exit_with = exit_with
+
+    def __len__(self):
+        return 20
+
+    def __getitem__(self, i):
+        if i == 5:
+            raise self.exit_with()
+        return np.ones(4)
+
+
+@pytest.mark.parametrize("exit_with", [SystemExit, KeyboardInterrupt])
+def test_a_worker_that_exits_raises_a_runtime_error_not_the_exit(exit_with):
+    """SystemExit or KeyboardInterrupt inside a worker ends that worker, as under torch (which
+    raises RuntimeError: worker exited unexpectedly): the training process gets an Exception its
+    `except Exception` catches, never the exit itself."""
+    with pytest.raises(RuntimeError, match=exit_with.__name__):
+        for _ in ShmDataLoader(ExitsAt5(exit_with), batch_size=4, num_workers=2):
+            pass

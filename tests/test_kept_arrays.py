@@ -1,0 +1,92 @@
+"""Arrays the dataset or the collate_fn keeps and returns in a later batch (NOTE [ Arrays kept
+across batches ] in shmloader/worker.py): an array born in a slot is never overwritten while
+someone still holds it, so every batch is torch's, bit for bit.  Each case here gave wrong
+batches, silently, when the slot was written over a kept array."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+from torch.utils.data import DataLoader, Dataset, IterableDataset
+
+from shmloader import ShmDataLoader
+
+from ._helpers import assert_same_batches
+
+pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("no_leaks")]
+
+SHAPE = (64, 128)  # 64 KiB of float64 a sample: row-sized, born in the slot
+
+
+class Rows(Dataset):
+    def __len__(self):
+        return 40
+
+    def __getitem__(self, i):
+        return np.full(SHAPE, float(i))
+
+
+class ReturnsLater(Dataset):
+    """Keeps each array it makes and returns it two samples later (a prefetch or reorder queue)."""
+
+    def __init__(self):
+        self.queue = []
+
+    def __len__(self):
+        return 48
+
+    def __getitem__(self, i):
+        self.queue.append(np.full(SHAPE, float(i)))
+        return self.queue.pop(0) if len(self.queue) > 2 else self.queue[-1]
+
+
+class ShuffleBuffer(IterableDataset):
+    """A webdataset-style shuffle buffer: yields a random one of the last 8 arrays it made."""
+
+    def __iter__(self):
+        rng, buffer = random.Random(0), []
+        for i in range(64):
+            buffer.append(np.full(SHAPE, float(i)))
+            if len(buffer) >= 8:
+                yield buffer.pop(rng.randrange(len(buffer)))
+        while buffer:
+            yield buffer.pop(rng.randrange(len(buffer)))
+
+
+class StacksEarlier:
+    """A collate_fn that keeps every batch it stacks and returns the one of two calls before."""
+
+    def __init__(self):
+        self.stacked = []
+
+    def __call__(self, samples):
+        self.stacked.append(np.stack(samples))
+        return self.stacked[-3] if len(self.stacked) >= 3 else self.stacked[-1]
+
+
+def identity(samples):
+    return samples
+
+
+def _both(make_dataset, make_collate, num_workers):
+    kwargs = {"batch_size": 4, "num_workers": num_workers}
+    got = [b for b in ShmDataLoader(make_dataset(), collate_fn=make_collate(), **kwargs)]
+    want = [b for b in DataLoader(make_dataset(), collate_fn=make_collate(), **kwargs)]
+    return got, want
+
+
+@pytest.mark.parametrize("num_workers", [1, 2])
+@pytest.mark.parametrize("make_dataset, make_collate", [
+    (Rows, StacksEarlier),
+    (ReturnsLater, lambda: None),
+    (ReturnsLater, lambda: identity),
+    (ShuffleBuffer, lambda: None),
+    (ShuffleBuffer, lambda: identity),
+], ids=["collate-returns-earlier", "dataset-returns-later", "dataset-returns-later-identity",
+        "shuffle-buffer", "shuffle-buffer-identity"])
+def test_an_array_kept_and_returned_later_is_never_overwritten(make_dataset, make_collate, num_workers):
+    got, want = _both(make_dataset, make_collate, num_workers)
+    assert_same_batches(got, want)
+    del got
