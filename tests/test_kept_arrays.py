@@ -90,3 +90,13 @@ def test_an_array_kept_and_returned_later_is_never_overwritten(make_dataset, mak
     got, want = _both(make_dataset, make_collate, num_workers)
     assert_same_batches(got, want)
     del got
+
+
+def test_sample_parallel_never_overwrites_an_array_the_dataset_returns_later():
+    """One worker fetches every row in torch's order, so a dataset with a queue of its own gives
+    torch's batches only if no row write lands on an array it still holds."""
+    kwargs = {"batch_size": 4, "num_workers": 1}
+    got = [b for b in ShmDataLoader(ReturnsLater(), sample_parallel=True, **kwargs)]
+    want = [b for b in DataLoader(ReturnsLater(), **kwargs)]
+    assert_same_batches(got, want)
+    del got
