@@ -72,8 +72,10 @@ NOTE [ Rows born in place ]
   keeps that array, the worker never fetches in place (the probe's row of memory stays with the
   cache).  If a dataset keeps a later array born in a row (the arena still has a live block once
   the sample is written and dropped), the worker sends Kept(slot, generation) before its
-  RowsDone and stops fetching in place; the main process then gives that slot a new segment the
-  next time it claims it, and the worker's old mapping stays with the cache.  Off with
+  RowsDone and stops fetching in place; the main process delivers that batch as a copy (its row
+  shares memory with the dataset's array, which the dataset may change in place later), gives
+  that slot a new segment the next time it claims it, and the worker's old mapping stays with
+  the cache.  Off with
   SHMLOADER_SLOT_ARENA=0, as the default mode's arena.
 
   Scope.  Map-style datasets with the default collate_fn (torch's default_collate) and a batch
@@ -88,6 +90,7 @@ NOTE [ Rows born in place ]
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import os
 import time
@@ -514,6 +517,10 @@ class SampleParallelIter(_PoolIter):
             segment = self._ring.segment(batch.slot)
             rows.publish_batch(segment, self._schemas.get(len(batch.indices)))
             batch.data = self._scheduler.deliver(batch.slot, batch.idx)
+            if (batch.slot, self._ring.task_geometry(batch.slot)[0]) in self._kept_segments:
+                # A row of it is an array the dataset keeps (Kept): the dataset may change it in
+                # place later, so this batch is delivered as a copy (NOTE [ Rows born in place ]).
+                batch.data = copy.deepcopy(batch.data)
         batch.done = True
 
     # -- the next batch ----------------------------------------------------------------------------

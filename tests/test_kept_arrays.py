@@ -100,3 +100,35 @@ def test_sample_parallel_never_overwrites_an_array_the_dataset_returns_later():
     want = [b for b in DataLoader(ReturnsLater(), **kwargs)]
     assert_same_batches(got, want)
     del got
+
+
+class KeepsOddAndChangesThem(Dataset):
+    """Even samples are new arrays; an odd sample is kept, and changed in place when revisited."""
+
+    def __init__(self):
+        self.state = {}
+
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, i):
+        if i % 2 == 0:
+            return np.full(SHAPE, float(i))
+        if i in self.state:
+            self.state[i] += 100
+        else:
+            self.state[i] = np.full(SHAPE, float(i))
+        return self.state[i]
+
+
+def test_sample_parallel_batches_do_not_change_when_the_dataset_changes_what_it_kept():
+    """A row born in the slot that the dataset keeps (found after the probe) must not tie the
+    delivered batch to the dataset's array: torch's batch is a copy, so it never changes."""
+    kwargs = {"batch_size": 7, "num_workers": 2, "sampler": list(range(8)) * 4}
+    loader = ShmDataLoader(KeepsOddAndChangesThem(), sample_parallel=True, **kwargs)
+    held, on_receipt = [], []
+    for batch in loader:
+        held.append(batch)
+        on_receipt.append(batch.clone())
+    assert_same_batches(held, on_receipt)
+    del held, loader
