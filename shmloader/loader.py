@@ -623,7 +623,7 @@ class _ShmLoaderIter(_PoolIter):
 
     def _process_data(self, data, worker_id: int):
         self._workers_num_tasks[worker_id] -= 1
-        with self._scheduler.deferring(self._loop_has_next(1)):  # NOTE [ Slots the loop gives back ]
+        with self._scheduler.deferring(True):  # the loop's next call gives one back (NOTE [ Slots the loop gives back ])
             self._try_put_index()
         if not isinstance(data, _Failure):
             self._batches += 1

@@ -115,6 +115,36 @@ def test_a_loop_slower_than_its_workers_keeps_the_ring_at_what_is_in_flight():
     assert max(slots) <= WORKERS * PREFETCH + 1, slots
 
 
+class _SlowRows(_RowsOfOnes):
+    """_RowsOfOnes whose samples take `sample_s` each to fetch (a sleep): workers slower than the loop."""
+
+    def __init__(self, n: int, rows: int, row_bytes: int, sample_s: float):
+        super().__init__(n, rows, row_bytes)
+        self.sample_s = sample_s
+
+    def __getitem__(self, i):
+        time.sleep(self.sample_s)
+        return super().__getitem__(i)
+
+
+@pytest.mark.timeout(120)
+def test_a_loop_faster_than_its_workers_makes_no_slot_for_the_batch_it_still_holds():
+    """NOTE [ Slots the loop gives back ]: when the loop waits for its workers, a worker that
+    finishes while next() hands the loop a batch gets the slot of the loop's previous batch at
+    its next call, not a new segment: the ring stays at a slot per worker, the loop's batch and
+    one finished early (num_workers + 2), and the main process makes no segment for a slot
+    that comes back a step later."""
+    rows, row_bytes = 8, 9 << 19  # 36 MiB batches: above AHEAD_MAX_SLOT_BYTES
+    shm = ShmDataLoader(_SlowRows(120 * rows, rows, row_bytes, 0.002), batch_size=rows,
+                        num_workers=WORKERS, prefetch_factor=PREFETCH)
+    slots = []
+    for batch in shm:
+        assert float(batch[-1, -1]) == rows - 1
+        slots.append(shm.stats().reserved_bytes // shm.stats().slot_bytes)
+    assert len(slots) == 120
+    assert max(slots) <= WORKERS + 2, slots
+
+
 def test_holding_past_the_cap_raises_ring_full_error():
     shm = ShmDataLoader(ds.ArrayDataset(n=40, nbytes=1024), batch_size=2, num_workers=WORKERS,
                         prefetch_factor=PREFETCH, max_ring_slots=DEPTH + 1)
