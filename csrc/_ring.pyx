@@ -362,6 +362,13 @@ cdef class SlotArena:
         return <uint64_t>(self._a.lo - self._base)
 
     @property
+    def end(self):
+        """Offset in the slot past the arena's last byte."""
+        if self._a == NULL:
+            raise ValueError("this slot arena has been released")
+        return <uint64_t>(self._a.hi - self._base)
+
+    @property
     def taken(self):
         """Whether any block has been handed out."""
         return self._a != NULL and self._a.cursor != self._a.lo

@@ -19,9 +19,9 @@ version (a spawned interpreter that imports another shmloader) refuses to start,
     Learn(epoch, idx, size, index)               Schema(epoch, idx, schema bytes)
     Schema(epoch, idx, schema bytes)             RowsDone(epoch, idx, count, in-place bytes)
     Rows(epoch, idx, slot, generation, capacity,       (a failing row: Failed, as above)
-         size, first_row, indices)               Kept(slot, generation)   the dataset keeps an
-         [+ fd the first time it sees the              array born in a row of that segment
-          slot's generation]
+         size, first_row, indices)               Kept(slot, generation, offset, row bytes)
+         [+ fd the first time it sees the              the dataset keeps an array born in a
+          slot's generation]                           row of that segment (its bytes as written)
 
 NOTE [ Status board ]
   One shared segment, made by the main process and mapped by every worker (its fd comes with
@@ -41,7 +41,7 @@ from . import _ring
 from .errors import SlotProtocolError
 from .timing import MAX_STAGES, STATUS_BLOCK_BYTES
 
-PROTOCOL_VERSION = 3  # 1: positional tuples (shmloader <= 0.x); 2: typed messages; 3: rows in place
+PROTOCOL_VERSION = 4  # 1: positional tuples (shmloader <= 0.x); 2: typed messages; 3: rows in place; 4: Kept rows' bytes
 
 
 # -- main process -> worker ----------------------------------------------------------------------
@@ -181,9 +181,13 @@ class RowsDone(NamedTuple):
 
 class Kept(NamedTuple):
     """The dataset keeps an array born in a row of `slot`'s segment `generation` (a cache): that
-    segment must never be written again (sent before the chunk's RowsDone or Failed)."""
+    segment must never be written again, and the batch is delivered with `row`, the row's bytes
+    at `offset` as written, whatever the dataset does to its array later (sent before the
+    chunk's RowsDone or Failed)."""
     slot: int
     generation: int
+    offset: int
+    row: bytes
 
 
 MESSAGES: tuple[type, ...] = (Hello, Task, Grant, Forget, Resume, Stop,

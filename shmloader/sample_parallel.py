@@ -71,11 +71,14 @@ NOTE [ Rows born in place ]
   Each worker first fetches one sample with a private one-row arena (a probe): if the dataset
   keeps that array, the worker never fetches in place (the probe's row of memory stays with the
   cache).  If a dataset keeps a later array born in a row (the arena still has a live block once
-  the sample is written and dropped), the worker sends Kept(slot, generation) before its
-  RowsDone and stops fetching in place; the main process delivers that batch as a copy (its row
-  shares memory with the dataset's array, which the dataset may change in place later), gives
-  that slot a new segment the next time it claims it, and the worker's old mapping stays with
-  the cache.  Off with
+  the sample is written and dropped), the worker sends Kept(slot, generation, offset, row bytes)
+  before its RowsDone, with the row's bytes as written, and stops fetching in place.  The row
+  shares memory with the dataset's array, which the dataset may change in place at any time
+  (when that worker fetches the index again, maybe before the batch's other rows are in), so
+  the main process delivers that batch as a private copy of the slot with the row's bytes put
+  back as the worker sent them (the batch as fetched, as torch's would be), gives that slot a
+  new segment the next time it claims it, and the worker's old mapping stays with the cache.
+  Off with
   SHMLOADER_SLOT_ARENA=0, as the default mode's arena.
 
   Scope.  Map-style datasets with the default collate_fn (torch's default_collate) and a batch
@@ -90,7 +93,6 @@ NOTE [ Rows born in place ]
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import os
 import time
@@ -258,26 +260,27 @@ class _RowsWorker:
                 in_place += rows.write_row(segment, schema, row, sample, in_row)
                 sample = None
                 if arena is not None:
-                    self.settle(worker, arena, in_row, slot, generation)
+                    self.settle(worker, arena, in_row, segment, slot, generation)
                     arena = None
         except Exception as exc:
             done = Failed(epoch, idx, f"{stage}, at row {row} (index {indices[row - first_row]!r})",
                           exception_payload(exc))
         if arena is not None:  # a fetch or a write raised: the traceback is gone by now
             sample = None  # noqa: F841 (ours: only the dataset's references may keep the arena alive)
-            self.settle(worker, arena, in_row, slot, generation)
+            self.settle(worker, arena, in_row, segment, slot, generation)
         worker.channel.send(done or RowsDone(epoch, idx, len(indices), in_place))
 
-    def settle(self, worker, arena, in_row: bool, slot: int, generation: int) -> None:
+    def settle(self, worker, arena, in_row: bool, segment, slot: int, generation: int) -> None:
         """The sample is written and dropped: does the dataset keep an array born in the arena?
         (NOTE [ Rows born in place ])"""
+        row = (arena.begin, arena.end)
         kept = arena.release()
         if self.in_place is None and not in_row:
             self.in_place = kept == 0  # the probe's answer (later keeps: Kept, below)
         elif kept:
             self.in_place = False
-            if in_row:
-                worker.channel.send(Kept(slot, generation))
+            if in_row:  # the row's bytes now, before the dataset can change its array
+                worker.channel.send(Kept(slot, generation, row[0], segment.read(row[0], row[1] - row[0])))
 
 
 def worker_handle(worker, message, fds: list[int]) -> None:
@@ -332,6 +335,7 @@ class SampleParallelIter(_PoolIter):
         self._flight: dict[tuple[int, int], _Batch] = {}  # drawn, not delivered (stale epochs too)
         self._queue: list[_Batch] = []  # drawn, not yet sent to the workers
         self._kept_segments: set[tuple[int, int]] = set()  # (slot, generation) a dataset keeps rows of
+        self._kept_rows: dict[tuple[int, int], list[tuple[int, bytes]]] = {}  # their bytes as written
         self._in_place_bytes = 0
         pinner = None
         if self._pin_memory:
@@ -474,6 +478,7 @@ class SampleParallelIter(_PoolIter):
             _Failure(worker_id, self._workers[worker_id].pid, None, message.stage, message.payload).reraise()
         if kind is Kept:  # NOTE [ Rows born in place ]: a new segment when the slot is next claimed
             self._kept_segments.add((message.slot, message.generation))
+            self._kept_rows.setdefault((message.slot, message.generation), []).append((message.offset, message.row))
             return
         if kind is not RowsDone and kind is not Failed:
             raise SlotProtocolError(f"unexpected message {message!r:.200} from worker {worker_id}")
@@ -506,6 +511,7 @@ class SampleParallelIter(_PoolIter):
     def _complete(self, batch: _Batch) -> None:
         """Every chunk of `batch` is reported: publish and read it, or give its slot back."""
         stale = batch.epoch != self._epoch
+        kept_rows = self._kept_rows.pop((batch.slot, self._ring.task_geometry(batch.slot)[0]), None)
         if stale or batch.failure is not None:
             self._ring.unassign(batch.slot)  # WRITING -> FREE: no worker writes to it any more
             if stale:
@@ -516,11 +522,9 @@ class SampleParallelIter(_PoolIter):
         else:
             segment = self._ring.segment(batch.slot)
             rows.publish_batch(segment, self._schemas.get(len(batch.indices)))
-            batch.data = self._scheduler.deliver(batch.slot, batch.idx)
-            if (batch.slot, self._ring.task_geometry(batch.slot)[0]) in self._kept_segments:
-                # A row of it is an array the dataset keeps (Kept): the dataset may change it in
-                # place later, so this batch is delivered as a copy (NOTE [ Rows born in place ]).
-                batch.data = copy.deepcopy(batch.data)
+            # A row that is an array the dataset keeps (Kept), which it may have changed since:
+            # a copy, with the row as written (NOTE [ Rows born in place ]).
+            batch.data = self._scheduler.deliver(batch.slot, batch.idx, restore=kept_rows)
         batch.done = True
 
     # -- the next batch ----------------------------------------------------------------------------

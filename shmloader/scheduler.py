@@ -121,9 +121,16 @@ class SlotScheduler:
             return None
         return self.deliver(slot, message.idx)
 
-    def deliver(self, slot: int, idx: int):
-        """Lease a READY slot holding batch `idx` and read the batch from it (views on the slot)."""
+    def deliver(self, slot: int, idx: int, restore=None):
+        """Lease a READY slot holding batch `idx` and read the batch from it (views on the slot);
+        with `restore`, [(offset, bytes)], from a private copy of the slot with those bytes put
+        back (sample_parallel.py's kept rows), the slot free again at once."""
         lease, descriptor, payload_end = self.ring.lease(slot, idx, self._release)
+        if restore:
+            private = bytearray(memoryview(lease)[:payload_end])
+            for offset, data in restore:
+                private[offset:offset + len(data)] = data
+            lease = private
         return layout.read_batch(lease, descriptor, payload_end)
 
     def fds_for(self, worker_id: int, slot: int) -> tuple[int, ...]:

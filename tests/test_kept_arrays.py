@@ -6,6 +6,7 @@ batches, silently, when the slot was written over a kept array."""
 from __future__ import annotations
 
 import random
+import time
 
 import numpy as np
 import pytest
@@ -132,3 +133,43 @@ def test_sample_parallel_batches_do_not_change_when_the_dataset_changes_what_it_
         on_receipt.append(batch.clone())
     assert_same_batches(held, on_receipt)
     del held, loader
+
+
+class PoisonsWhatItKept(Dataset):
+    """Odd samples are kept, and set to -1 in place when their index comes again (a new array
+    is returned then); index SLOW takes a while.  No array is -1 when it is returned, so a
+    -1 in a batch is a change that landed after the row was fetched."""
+
+    SLOW = 10
+
+    def __init__(self):
+        self.kept = {}
+
+    def __len__(self):
+        return 16
+
+    def __getitem__(self, i):
+        if i in self.kept:
+            self.kept.pop(i)[...] = -1.0
+        if i == self.SLOW:
+            time.sleep(0.5)
+        sample = np.full(SHAPE, float(i))
+        if i % 2:
+            self.kept[i] = sample
+        return sample
+
+
+def test_sample_parallel_a_kept_row_changed_before_its_batch_completes_is_delivered_as_fetched():
+    """NOTE [ Rows born in place ]: worker 0 writes row 0 of batch 1 (index 1, kept by the
+    dataset, born in the slot) and goes on to batch 2, where index 1 comes again and the dataset
+    changes its kept array in place, while worker 1 is still on batch 1 (index SLOW).  Batch 1
+    must hold index 1's values as fetched, as torch's would."""
+    sampler = [0, 2, 4, 6, 1, 8, PoisonsWhatItKept.SLOW, 12, 1, 14, 3, 5]
+    loader = ShmDataLoader(PoisonsWhatItKept(), batch_size=4, num_workers=2, sampler=sampler,
+                           sample_parallel=True)
+    got = [batch.clone() for batch in loader]
+    firsts = [[float(batch[row, 0, 0]) for row in range(len(batch))] for batch in got]
+    assert firsts[:2] == [[0, 2, 4, 6], [1, 8, PoisonsWhatItKept.SLOW, 12]], firsts
+    for batch in got:
+        assert bool((batch == batch[:, :1, :1]).all()), "a row is not one value throughout"
+    del got, loader

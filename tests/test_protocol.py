@@ -35,7 +35,7 @@ EXAMPLES = [
     protocol.Schema(0, 0, b"schema"),
     protocol.Rows(0, 3, 2, 1, 1 << 20, 128, 32, [4, 5, 6]),
     protocol.RowsDone(0, 3, 16, 16 * 1200000),
-    protocol.Kept(2, 5),
+    protocol.Kept(2, 5, 4096, b"\x00\x01" * 8),
 ]
 
 
