@@ -27,6 +27,12 @@ NOTE [ Leaves as torch's DataLoader delivers them ]
   With the default collate, a row that torch.as_tensor would convert (a big-endian array) or
   refuse (negative strides) is handed to torch.as_tensor itself: torch's result, torch's error.
 
+NOTE [ One object, one leaf ]
+  torch's pickle delivers an object that a batch holds twice (a collate_fn returning
+  {"x": a, "y": a}) as one object twice.  So does the slot: the planner gives the same object
+  the same persistent id (one leaf, written once), pickle writes that id the second time as a
+  reference to the first, and the unpickler answers the same id with the leaf it built for it.
+
 With the default collate, samples are not stacked in memory first: `collate_into_slot` runs
 torch's own `collate` (so the structure, container types and errors are torch's) with the tensor
 and ndarray handlers replaced by `StackedLeaf`, a promise of a (batch, *row) tensor whose rows
@@ -296,6 +302,7 @@ class _Planner(pickle.Pickler):
         self.arena = arena
         # leaves described where they are: id -> (offset, end, the array, kept so ids stay unique)
         self.in_place: dict[int, tuple[int, int, object]] = {}
+        self.seen: dict[int, tuple[object, object]] = {}  # id -> (persistent id, the object)
 
     def _in_slot(self, array: np.ndarray) -> int | None:
         """The slot offset of a contiguous array born in the arena, unless another leaf
@@ -335,6 +342,15 @@ class _Planner(pickle.Pickler):
     def persistent_id(self, obj):
         if type(obj) in _NEVER_A_LEAF:
             return None
+        seen = self.seen.get(id(obj))
+        if seen is not None:  # NOTE [ One object, one leaf ]
+            return seen[0]
+        pid = self._leaf_id(obj)
+        if pid is not None:
+            self.seen[id(obj)] = (pid, obj)  # obj kept, so its id stays unique
+        return pid
+
+    def _leaf_id(self, obj):
         if type(obj) is StackedLeaf:
             if obj.problem is not None:
                 raise _Unsupported(obj, obj.problem)
@@ -596,6 +612,15 @@ class _SlotUnpickler(pickle.Unpickler):
         super().__init__(io.BytesIO(descriptor))
         self.lease = lease
         self.payload_end = payload_end
+        self.loaded: dict[int, tuple[object, object]] = {}  # id(pid) -> (pid, the leaf)
+
+    def persistent_load(self, pid):
+        loaded = self.loaded.get(id(pid))
+        if loaded is not None and loaded[0] is pid:  # NOTE [ One object, one leaf ]
+            return loaded[1]
+        leaf = self._load(pid)
+        self.loaded[id(pid)] = (pid, leaf)
+        return leaf
 
     def _start(self, offset: int, nbytes: int) -> int:
         if offset < HEADER_BYTES or offset + nbytes > self.payload_end:
@@ -605,7 +630,7 @@ class _SlotUnpickler(pickle.Unpickler):
             )
         return offset
 
-    def persistent_load(self, pid):
+    def _load(self, pid):
         kind = pid[0]
         if kind == "t":
             _, offset, dtype, shape, requires_grad = pid
