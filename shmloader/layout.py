@@ -21,6 +21,8 @@ NOTE [ Leaves as torch's DataLoader delivers them ]
     own `__reduce_ex__` (its type, `__dict__` and strides), and its storage becomes a leaf;
   * a masked array's data and mask are leaves, rebuilt as numpy's unpickling rebuilds them;
   * object arrays and other ndarray subclasses are pickled whole, as torch pickles them;
+  * an empty array or tensor has no bytes to send, but its strides are torch's: numpy unpickles
+    an empty array C-ordered, torch keeps a tensor's strides (an "e" leaf carries them);
   * a numpy array comes back C-ordered, or F-ordered if it was Fortran-contiguous, and with a
     non-native byte order swapped into the native one where numpy's pickle (at the protocol
     torch's workers use) swaps it, as numpy's unpickling does.
@@ -365,6 +367,8 @@ class _Planner(pickle.Pickler):
                 return None  # a subclass: torch's __reduce_ex__ keeps its type and __dict__; its storage comes back here
             source = obj.detach().resolve_conj().resolve_neg()
             shape = tuple(source.shape)
+            if source.numel() == 0:  # no bytes: its strides, as torch's pickle keeps them
+                return ("e", obj.dtype, shape, tuple(source.stride()), obj.requires_grad)
             if source.is_contiguous():
                 offset = self._tensor_in_slot(obj, source)
                 if offset is None:
@@ -649,8 +653,8 @@ class _SlotUnpickler(pickle.Unpickler):
                 dtype = _dtype_of(dtype)
             count = math.prod(shape)
             start = self._start(offset, count * dtype.itemsize)
-            if count == 0:
-                return np.empty(shape, dtype=dtype, order=order)
+            if count == 0:  # the strides numpy's unpickling gives an empty array (C order)
+                return np.ndarray(shape, dtype=dtype, buffer=bytearray())
             flat = np.frombuffer(self.lease, dtype=dtype, count=count, offset=start)
             return flat.reshape(shape, order=order)
         if kind == "v":
@@ -664,6 +668,14 @@ class _SlotUnpickler(pickle.Unpickler):
             if requires_grad:
                 view.requires_grad_(True)
             return view
+        if kind == "e":
+            _, dtype, shape, stride, requires_grad = pid
+            if math.prod(shape) != 0:
+                raise SlotProtocolError(f"an empty leaf of shape {list(shape)} has elements")
+            empty = torch.empty_strided(shape, stride, dtype=dtype)
+            if requires_grad:
+                empty.requires_grad_(True)
+            return empty
         if kind == "s":
             _, offset, dtype, nbytes = pid
             start = self._start(offset, nbytes)

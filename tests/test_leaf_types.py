@@ -315,6 +315,30 @@ def test_zero_d_arrays_and_tensors(collate_fn):
     loaders_agree(Made(zero_d), collate_fn=collate_fn)
 
 
+def empty_leaves(i):
+    grid = torch.zeros(4, 3)
+    return {"rows": np.zeros((0, 3)), "columns": np.zeros((3, 0), np.int8),
+            "fortran": np.asfortranarray(np.zeros((3, 0, 2))), "tensor": torch.zeros(0, 3),
+            "transposed": torch.zeros(3, 0).t(), "sliced": grid[:, :0], "grad": torch.zeros(0, 2).requires_grad_()}
+
+
+@pytest.mark.parametrize("collate_fn", [first, as_list], ids=["first", "list"])
+def test_empty_arrays_and_tensors_keep_torchs_strides(collate_fn):
+    """Empty leaves have no bytes, but their strides are what torch's pickle gives them (numpy
+    unpickles an empty array C-ordered; torch keeps a tensor's strides)."""
+    want = loaders_agree(Made(empty_leaves), collate_fn=collate_fn)
+    shm, _ = both(Made(empty_leaves), batch_size=2, num_workers=2, collate_fn=collate_fn)
+    for got, ref in zip(shm, want):
+        for key, leaf in (got.items() if collate_fn is first else enumerate(got)):
+            items = [(leaf, ref[key])] if collate_fn is first else list(zip(leaf.values(), ref[key].values()))
+            for a, b in items:
+                strides = (a.strides, b.strides) if isinstance(a, np.ndarray) else (a.stride(), b.stride())
+                assert strides[0] == strides[1], (key, strides)
+                if isinstance(a, torch.Tensor):
+                    assert a.requires_grad == b.requires_grad
+        del got
+
+
 def strided_arrays(i):
     grid = np.arange(24, dtype=np.float32).reshape(4, 6) + i
     return {"sliced": grid[1:, ::2], "transposed": grid.T, "fortran": np.asfortranarray(grid),
