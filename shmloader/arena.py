@@ -29,6 +29,8 @@ def empty_tensor(shape, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """An uninitialised contiguous CPU tensor whose memory numpy allocates: inside a worker's
     collate_fn it lies in the batch's slot, so returning it (filled) costs no copy."""
     shape = tuple(shape)
+    if math.prod(shape) == 0:
+        return torch.empty(shape, dtype=dtype)  # no bytes (numpy gives an empty block stride 0)
     itemsize = torch.empty((), dtype=dtype).element_size()
     raw = np.empty(math.prod(shape) * itemsize, dtype=np.uint8)
     return torch.from_numpy(raw).view(dtype).view(shape)

@@ -709,7 +709,7 @@ class _ShmLoaderIter(_PoolIter):
             if where == "early":
                 self._early[message.idx] = (worker_id, batch)
                 return None
-            return None if batch is None else (message.idx, worker_id, batch)
+            return None if where == "stale" else (message.idx, worker_id, batch)  # a batch may be None
         if kind is State:  # a worker's dataset state after a batch (NOTE [ Resuming mid-epoch ])
             self._resumable.on_worker_state(self, worker_id, message)
             return None

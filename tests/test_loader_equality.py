@@ -136,6 +136,47 @@ def test_an_object_a_batch_holds_twice_comes_back_as_one_object(collate_fn):
     del got, shm
 
 
+def _nothing(samples):
+    return None  # "skip this batch", as users write it
+
+
+class _Nones(torch.utils.data.Dataset):
+    def __len__(self):
+        return 6
+
+    def __getitem__(self, i):
+        return None
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("in_order", [True, False])
+def test_a_batch_that_is_none_is_delivered(in_order):
+    """A collate_fn returning None, or a None sample without batching: torch yields None."""
+    for dataset, kwargs in [(ds.DictDataset(n=8), {"batch_size": 4, "collate_fn": _nothing}),
+                            (_Nones(), {"batch_size": None})]:
+        shm, ref = both(dataset, num_workers=2, timeout=20, in_order=in_order, **kwargs)
+        assert list(shm) == list(ref) == [None] * len(ref)
+
+
+class _EmptyRows(torch.utils.data.Dataset):
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, i):
+        return np.zeros((0, 3), np.float32)
+
+
+def _torch_default_collate(samples):
+    return torch.utils.data.default_collate(samples)
+
+
+def test_torchs_default_collate_inside_a_collate_fn_with_empty_samples():
+    shm, ref = both(_EmptyRows(), batch_size=4, num_workers=1, collate_fn=_torch_default_collate)
+    got, want = collect(shm), collect(ref)
+    assert_same_batches(got, want)
+    assert [tuple(b.shape) for b in got] == [(4, 0, 3)] * 2
+
+
 def test_custom_collate_variable_length():
     shm, ref = both(ds.VariableLengthDataset(n=20, step=300), batch_size=3, num_workers=2,
                     collate_fn=ds.pad_collate)
