@@ -243,8 +243,8 @@ class _Failure:
         # SystemExit or KeyboardInterrupt in a worker ends that worker, not the training process:
         # torch raises a RuntimeError for it, which `except Exception` catches; so does WorkerError.
         if original is not None and isinstance(original, Exception):
-            try:
-                exc = type(original)(summary)
+            try:  # a KeyError's message printed as text, not repr()-ed, as torch does
+                exc = type(original)(torch_private.key_error_message(summary) if type(original) is KeyError else summary)
             except Exception:
                 # A type whose constructor takes its fields (ShmCapacityError from a slot's
                 # growth): raise the worker's own instance, fields intact, with our summary.

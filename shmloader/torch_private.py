@@ -37,6 +37,14 @@ np_str_obj_array_pattern = _collate.np_str_obj_array_pattern  # numpy dtypes tor
 default_collate_err_msg_format = _collate.default_collate_err_msg_format
 
 
+def key_error_message(text: str) -> str:
+    """`text` as torch's workers hand a KeyError its message: a str whose repr() is itself, so
+    the traceback prints its lines, not one quoted line of escapes."""
+    from torch._utils import KeyErrorMessage
+
+    return KeyErrorMessage(text)
+
+
 def is_iter_datapipe(dataset) -> bool:
     """torch's `_reset` asks this at every epoch's start.  It is an ABC check: the first one after
     Python's ABC caches were invalidated (any ABC registration does it) costs ~0.4 ms, so the

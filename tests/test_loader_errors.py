@@ -74,6 +74,27 @@ def test_dataset_exception_names_worker_stage_and_keeps_traceback():
     assert_same_batches(after, ref_after)
 
 
+class _MissingKey(Dataset):
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, i):
+        raise KeyError("missing-key")
+
+
+def test_a_key_error_prints_its_traceback_as_lines_as_torch_does():
+    """torch hands a worker's KeyError a message whose repr() is itself: str(e) and the printed
+    error are the traceback's lines, not one quoted line of escaped newlines."""
+    messages = []
+    for loader_class in (DataLoader, ShmDataLoader):
+        with pytest.raises(KeyError) as caught:
+            next(iter(loader_class(_MissingKey(), batch_size=2, num_workers=1)))
+        messages.append(str(caught.value))
+    got, want = messages[1], messages[0]
+    assert got.count("\n") == want.count("\n") > 3 and "\\n" not in got
+    assert got.startswith("Caught KeyError in DataLoader worker 0") and got.rstrip().endswith("KeyError: 'missing-key'")
+
+
 def test_collate_exception_names_the_stage():
     (exc, _), (ref_exc, _) = _both_errors(ds.DictDataset(n=8), batch_size=2, num_workers=2,
                                           collate_fn=ds.failing_collate)
