@@ -261,6 +261,17 @@ _SWAPPED = ">" if sys.byteorder == "little" else "<"
 _NEVER_A_LEAF = frozenset({str, int, float, bool, type(None), tuple, list, dict, bytes, torch.dtype})
 
 
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """A C-contiguous tensor's strides as torch.empty(shape) has them.  A contiguous tensor may
+    have others where a dimension has one element (a transposed column): torch's pickle keeps
+    those, so such a tensor travels as a strided leaf."""
+    strides, step = [], 1
+    for n in reversed(shape):
+        strides.append(step)
+        step *= max(n, 1)
+    return tuple(reversed(strides))
+
+
 def _dtype_token(dtype: np.dtype):
     """How an "n" leaf names its dtype: numpy's code (``"<f4"``) for a builtin dtype, which costs
     a few bytes to pickle and a cached lookup to load, else the dtype itself (pickled whole)."""
@@ -369,7 +380,7 @@ class _Planner(pickle.Pickler):
             shape = tuple(source.shape)
             if source.numel() == 0:  # no bytes: its strides, as torch's pickle keeps them
                 return ("e", obj.dtype, shape, tuple(source.stride()), obj.requires_grad)
-            if source.is_contiguous():
+            if source.is_contiguous() and source.stride() == _contiguous_strides(shape):
                 offset = self._tensor_in_slot(obj, source)
                 if offset is None:
                     offset = self._place(source.numel() * source.element_size(), source)

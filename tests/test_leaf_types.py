@@ -315,19 +315,21 @@ def test_zero_d_arrays_and_tensors(collate_fn):
     loaders_agree(Made(zero_d), collate_fn=collate_fn)
 
 
-def empty_leaves(i):
+def stride_edge_leaves(i):
     grid = torch.zeros(4, 3)
-    return {"rows": np.zeros((0, 3)), "columns": np.zeros((3, 0), np.int8),
+    return {"column": torch.arange(5.0).view(1, 5).t() + i, "one": torch.zeros(2, 1, 3).transpose(0, 1),
+            "rows": np.zeros((0, 3)), "columns": np.zeros((3, 0), np.int8),
             "fortran": np.asfortranarray(np.zeros((3, 0, 2))), "tensor": torch.zeros(0, 3),
             "transposed": torch.zeros(3, 0).t(), "sliced": grid[:, :0], "grad": torch.zeros(0, 2).requires_grad_()}
 
 
 @pytest.mark.parametrize("collate_fn", [first, as_list], ids=["first", "list"])
-def test_empty_arrays_and_tensors_keep_torchs_strides(collate_fn):
+def test_empty_and_one_element_dimensions_keep_torchs_strides(collate_fn):
     """Empty leaves have no bytes, but their strides are what torch's pickle gives them (numpy
-    unpickles an empty array C-ordered; torch keeps a tensor's strides)."""
-    want = loaders_agree(Made(empty_leaves), collate_fn=collate_fn)
-    shm, _ = both(Made(empty_leaves), batch_size=2, num_workers=2, collate_fn=collate_fn)
+    unpickles an empty array C-ordered; torch keeps a tensor's strides), and so are those of a
+    contiguous tensor whose one-element dimensions have other strides than torch.empty's."""
+    want = loaders_agree(Made(stride_edge_leaves), collate_fn=collate_fn)
+    shm, _ = both(Made(stride_edge_leaves), batch_size=2, num_workers=2, collate_fn=collate_fn)
     for got, ref in zip(shm, want):
         for key, leaf in (got.items() if collate_fn is first else enumerate(got)):
             items = [(leaf, ref[key])] if collate_fn is first else list(zip(leaf.values(), ref[key].values()))
