@@ -345,6 +345,13 @@ def _check_leaf(leaf: RowLeaf, value, row: int):
     if kind == "ndarray":
         if type(value) is not np.ndarray:
             raise _mismatch("sample leaf differs", leaf.path, row, leaf.describe(), _describe(value))
+        if (value.shape == leaf.row_shape and value.dtype != leaf.numpy_dtype and value.dtype.isnative
+                and layout._torch_takes_as_is(value)):
+            try:
+                as_tensor = torch.from_numpy(value)
+            except TypeError:  # a dtype torch has no tensor of
+                _torch_refusal(leaf, value, row)
+            return _cast_as_torch_stacks(leaf, as_tensor, row)
         if value.dtype != leaf.numpy_dtype or value.shape != leaf.row_shape:
             if value.dtype.byteorder not in "=|" and value.dtype.newbyteorder("=") == leaf.numpy_dtype:
                 _torch_refusal(leaf, value, row)
@@ -355,6 +362,8 @@ def _check_leaf(leaf: RowLeaf, value, row: int):
     if kind == "tensor":
         if type(value) is not torch.Tensor:
             raise _mismatch("sample leaf differs", leaf.path, row, leaf.describe(), _describe(value))
+        if tuple(value.shape) == leaf.row_shape and value.dtype != leaf.dtype:
+            value = _cast_as_torch_stacks(leaf, value, row)
         if value.dtype != leaf.dtype or tuple(value.shape) != leaf.row_shape:
             raise _mismatch("cannot stack samples", leaf.path, row, leaf.describe(), _describe(value))
         if (value.layout != torch.strided or value.device.type != "cpu" or value.is_nested
@@ -370,11 +379,30 @@ def _check_leaf(leaf: RowLeaf, value, row: int):
             raise _mismatch("sample leaf differs", leaf.path, row, leaf.describe(), _describe(value))
         return value.tobytes()
     if type(value) is not source and (row == 0 or type(value) not in _ACCEPTS[source]):
-        raise _mismatch("sample leaf differs", leaf.path, row, leaf.describe(), _describe(value))
+        error = _mismatch("sample leaf differs", leaf.path, row, leaf.describe(), _describe(value))
+        if type(value) in _PACK:  # e.g. a float among int labels: torch makes that batch float
+            raise BatchShapeError(f"{error}; torch's default_collate would make this batch's "
+                                  f"{leaf.path} {type(value).__name__}, but sample_parallel fixes each "
+                                  "number's type from the first sample it sees: return one type "
+                                  "in every sample, or use the default mode (sample_parallel=False)")
+        raise error
     try:
         return _PACK[source](source(value))
     except (struct.error, OverflowError) as exc:
         raise OverflowError(f"{value} at {leaf.path} row {row} does not fit {_torch_name(leaf.dtype)}: {exc}") from None
+
+
+def _cast_as_torch_stacks(leaf: RowLeaf, value: torch.Tensor, row: int) -> torch.Tensor:
+    """A row of another dtype than row 0's, cast as torch's default_collate in a worker casts it:
+    torch.stack into an out= of row 0's dtype (a float64 row into float32 rows is rounded; an
+    int batch gets no float row: torch's error, with the leaf's path)."""
+    try:
+        torch.stack([torch.zeros((), dtype=leaf.dtype), torch.zeros((), dtype=value.dtype)],
+                    out=torch.empty(2, dtype=leaf.dtype))
+    except (RuntimeError, TypeError) as exc:  # torch's error type, with the leaf's path
+        raise type(exc)(f"cannot collate {_describe(value)} at {leaf.path} (sample {row}) into "
+                        f"the batch's {_torch_name(leaf.dtype)} of sample 0: {exc}") from None
+    return value.to(leaf.dtype)
 
 
 def _torch_refusal(leaf: RowLeaf, value: np.ndarray, row: int):

@@ -34,8 +34,12 @@ NOTE [ Samples of one batch over the workers ]
   that batch raises its error at its turn and the schema is learnt from the next batch; if the
   sample cannot be written row by row (RowsUnsupportedError: a str, None, a tensor subclass...),
   that error is raised at the first batch's turn and the loader is shut down (the error says to
-  use the default mode).  A later sample of another structure, shape or dtype raises
-  BatchShapeError at its batch's turn (as torch's default_collate raises), and the epoch goes on.
+  use the default mode).  A later sample of another structure or shape raises BatchShapeError at
+  its batch's turn (as torch's default_collate raises), and the epoch goes on.  An array or
+  tensor of another dtype is cast into the batch as torch's default_collate in a worker casts it
+  (torch.stack into an out= of sample 0's dtype), or raises torch's error where that stack
+  refuses; a number of another type (a float among int labels) raises BatchShapeError, since
+  torch would give that batch another dtype, which rows already written cannot change.
 
   Seeding.  Before fetching row r of batch n of epoch e, the worker calls
   `rows.seed_sample(rows.sample_seed(base_seed, e, n, r))`: python's `random`, numpy's global

@@ -276,3 +276,58 @@ def test_later_batches_get_no_segment_before_the_first_is_complete():
     assert len(rest) == 7
     assert it.stats().ring_bytes > stats.slot_bytes  # the later batches got theirs
     del it
+
+
+class MixedDtypes(Dataset):
+    """Sample 5 is float64 among float32 arrays (and a float64 tensor among float32 ones);
+    with `int_rows`, sample 0 of each batch is an int64 array and the others float32."""
+
+    def __init__(self, int_rows=False):
+        self.int_rows = int_rows
+
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, i):
+        if self.int_rows:
+            return np.full(3, i, np.int64 if i % 4 == 0 else np.float32)
+        wide = i == 5
+        return {"array": np.full(3, i + 0.1, np.float64 if wide else np.float32),
+                "tensor": torch.full((2,), i + 0.1, dtype=torch.float64 if wide else torch.float32)}
+
+
+def test_a_row_of_another_dtype_is_cast_as_torchs_default_collate_casts_it():
+    """torch's default_collate in a worker stacks into an out= of sample 0's dtype: a float64
+    row among float32 ones is rounded into the float32 batch; sample_parallel gives the same."""
+    want = collect(DataLoader(MixedDtypes(), batch_size=4, num_workers=2))
+    got = collect(ShmDataLoader(MixedDtypes(), batch_size=4, num_workers=2, sample_parallel=True))
+    assert_same_batches(got, want)
+    assert got[1]["array"].dtype == got[1]["tensor"].dtype == torch.float32
+
+
+def test_a_row_torch_cannot_cast_into_the_batch_raises_torchs_error_type():
+    errors = []
+    for loader_class, extra in ((DataLoader, {}), (ShmDataLoader, {"sample_parallel": True})):
+        with pytest.raises((RuntimeError, TypeError)) as caught:
+            next(iter(loader_class(MixedDtypes(int_rows=True), batch_size=4, num_workers=2, **extra)))
+        errors.append(caught.value)
+    assert type(errors[0]) is type(errors[1])
+    assert "can't be cast" in str(errors[0]) and "can't be cast" in str(errors[1])
+    assert "(sample 1)" in str(errors[1])
+
+
+class FloatAmongIntLabels(Dataset):
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, i):
+        return np.zeros(3, np.float32), (float(i) if i == 6 else i)
+
+
+def test_a_number_of_another_type_says_what_torch_would_do_and_what_to_do():
+    loader = ShmDataLoader(FloatAmongIntLabels(), batch_size=4, num_workers=2, sample_parallel=True)
+    it = iter(loader)
+    next(it)
+    with pytest.raises(BatchShapeError, match=r"expected int at batch\[1\] row 2, got float.*default mode"):
+        next(it)
+    del it, loader
