@@ -246,10 +246,13 @@ class _Failure:
             try:  # a KeyError's message printed as text, not repr()-ed, as torch does
                 exc = type(original)(torch_private.key_error_message(summary) if type(original) is KeyError else summary)
             except Exception:
-                # A type whose constructor takes its fields (ShmCapacityError from a slot's
-                # growth): raise the worker's own instance, fields intact, with our summary.
-                original.args = (summary,)
-                exc = original
+                if type(original).__module__.split(".")[0] == "shmloader":
+                    # Ours, whose constructor takes its fields (ShmCapacityError from a slot's
+                    # growth): the worker's own instance, fields intact, with our summary.
+                    original.args = (summary,)
+                    exc = original
+                # Anything else that cannot be rebuilt from a message (numpy's UFuncTypeError):
+                # a RuntimeError, as torch raises then, so `except RuntimeError` catches both.
         exc.worker_id, exc.worker_stage = self.worker_id, self.stage  # type: ignore[attr-defined]
         raise exc from RemoteTraceback(text)
 

@@ -95,6 +95,38 @@ def test_a_key_error_prints_its_traceback_as_lines_as_torch_does():
     assert got.startswith("Caught KeyError in DataLoader worker 0") and got.rstrip().endswith("KeyError: 'missing-key'")
 
 
+class NeedsTwo(Exception):
+    def __init__(self, what, code):
+        super().__init__(what, code)
+
+
+class _RaisesNeedsTwo(Dataset):
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, i):
+        raise NeedsTwo("bad", i)
+
+
+def _ufunc_collate(samples):
+    return np.add(np.array(["a"]), 1)  # numpy's UFuncTypeError, built from a ufunc and dtypes
+
+
+@pytest.mark.parametrize("case", ["constructor", "ufunc"])
+def test_an_error_that_cannot_be_rebuilt_from_a_message_is_a_runtime_error_as_torch(case):
+    """torch rebuilds a worker's exception as type(e)(message) and raises RuntimeError(message)
+    where that fails; code written for torch catches it with `except RuntimeError`."""
+    kwargs = ({"dataset": _RaisesNeedsTwo()} if case == "constructor"
+              else {"dataset": ds.ArrayDataset(n=4, nbytes=64), "collate_fn": _ufunc_collate})
+    caught = []
+    for loader_class in (DataLoader, ShmDataLoader):
+        with pytest.raises(RuntimeError) as error:
+            next(iter(loader_class(batch_size=2, num_workers=1, **kwargs)))
+        caught.append(error.value)
+    assert isinstance(caught[1], RuntimeError) and type(caught[0]) is RuntimeError
+    assert "Caught" in str(caught[1]) and ("NeedsTwo" in str(caught[1]) or "UFunc" in str(caught[1]))
+
+
 def test_collate_exception_names_the_stage():
     (exc, _), (ref_exc, _) = _both_errors(ds.DictDataset(n=8), batch_size=2, num_workers=2,
                                           collate_fn=ds.failing_collate)
