@@ -16,7 +16,8 @@ NOTE [ Leaves as torch's DataLoader delivers them ]
   torch's workers pickle a batch; the main process gets whatever that pickle rebuilds.  So does
   shmloader's, with the bytes moved to the slot instead of the pickle:
   * a plain tensor keeps its strides (a transposed or expanded tensor stays so); only the bytes
-    from its first to its last element travel, so `storage_offset()` starts at 0;
+    from its first to its last element travel, so `storage_offset()` starts at 0, unless other
+    tensors of the batch share its storage (NOTE [ Tensors sharing a storage ]);
   * a tensor subclass (torchvision's tv_tensors, a user's subclass) pickles itself with torch's
     own `__reduce_ex__` (its type, `__dict__` and strides), and its storage becomes a leaf;
   * a masked array's data and mask are leaves, rebuilt as numpy's unpickling rebuilds them;
@@ -28,6 +29,17 @@ NOTE [ Leaves as torch's DataLoader delivers them ]
     torch's workers use) swaps it, as numpy's unpickling does.
   With the default collate, a row that torch.as_tensor would convert (a big-endian array) or
   refuse (negative strides) is handed to torch.as_tensor itself: torch's result, torch's error.
+
+NOTE [ Tensors sharing a storage ]
+  torch's pickle sends a tensor's whole storage, once however many tensors of the batch view it,
+  so a collate_fn returning seq[:, :-1] and seq[:, 1:] (inputs and targets of a language model)
+  delivers two views of one storage, each with its storage_offset.  A lone view sends only the
+  bytes it spans (cheaper, storage_offset 0).  So the planner counts, on a first pass, the plain
+  tensors of each storage and the bytes they span; where two or more share one no bigger than
+  those bytes, it plans again with that storage sent whole (an "s" leaf: in place if born in the
+  slot) and each tensor a "w" view on it; the unpickler builds the storage once.  A storage much
+  bigger than its views (a dataset's tensor the collate_fn slices) is not sent whole: its views
+  come back as copies, and the slot holds no more than the bytes they span.
 
 NOTE [ One object, one leaf ]
   torch's pickle delivers an object that a batch holds twice (a collate_fn returning
@@ -308,7 +320,7 @@ class _Planner(pickle.Pickler):
     Everything else is pickled at the protocol torch's workers use (what a numpy array pickled
     whole comes back as depends on it)."""
 
-    def __init__(self, file, start: int, arena=None):
+    def __init__(self, file, start: int, arena=None, shared: frozenset[int] = frozenset()):
         super().__init__(file, protocol=pickle.DEFAULT_PROTOCOL)
         self.leaves: list[tuple[int, object]] = []
         self.end = start
@@ -316,6 +328,11 @@ class _Planner(pickle.Pickler):
         # leaves described where they are: id -> (offset, end, the array, kept so ids stay unique)
         self.in_place: dict[int, tuple[int, int, object]] = {}
         self.seen: dict[int, tuple[object, object]] = {}  # id -> (persistent id, the object)
+        # NOTE [ Tensors sharing a storage ]: storage -> [tensors, bytes they span, storage bytes];
+        # and, once known, the storages sent whole, with the persistent id of each
+        self.storage_users: dict[int, list[int]] = {}
+        self.shared = shared
+        self.shared_pids: dict[int, tuple] = {}
 
     def _in_slot(self, array: np.ndarray) -> int | None:
         """The slot offset of a contiguous array born in the arena, unless another leaf
@@ -376,10 +393,14 @@ class _Planner(pickle.Pickler):
                                         "return CPU tensors from workers")
             if type(obj) is not torch.Tensor:
                 return None  # a subclass: torch's __reduce_ex__ keeps its type and __dict__; its storage comes back here
+            if obj.numel() == 0:  # no bytes: its strides, as torch's pickle keeps them
+                return ("e", obj.dtype, tuple(obj.shape), tuple(obj.stride()), obj.requires_grad)
+            if not (obj.is_conj() or obj.is_neg()):
+                shared = self._shared_storage(obj)
+                if shared is not None:
+                    return shared
             source = obj.detach().resolve_conj().resolve_neg()
             shape = tuple(source.shape)
-            if source.numel() == 0:  # no bytes: its strides, as torch's pickle keeps them
-                return ("e", obj.dtype, shape, tuple(source.stride()), obj.requires_grad)
             if source.is_contiguous() and source.stride() == _contiguous_strides(shape):
                 offset = self._tensor_in_slot(obj, source)
                 if offset is None:
@@ -408,6 +429,41 @@ class _Planner(pickle.Pickler):
         if kind is torch.storage.TypedStorage or kind is torch.UntypedStorage:
             return self._storage(obj)
         return None
+
+    def _shared_storage(self, tensor: torch.Tensor):
+        """A "w" leaf (a view on a storage sent whole) for a tensor whose storage another tensor
+        of the batch shares, once the first pass found it (NOTE [ Tensors sharing a storage ]);
+        else None, having counted the tensor for that pass."""
+        storage = tensor.untyped_storage()
+        key = storage._cdata  # the storage itself: two storages may start at one address
+        if not self.shared:
+            users = self.storage_users.get(key)
+            span = (1 + sum((n - 1) * step for n, step in zip(tensor.shape, tensor.stride()))) * tensor.element_size()
+            if users is None:
+                self.storage_users[key] = [1, span, storage.nbytes()]
+            else:
+                users[0] += 1
+                users[1] += span
+            return None
+        if key not in self.shared:
+            return None
+        storage_pid = self.shared_pids.get(key)
+        if storage_pid is None:  # the storage's bytes, once: in place if born in the slot
+            nbytes = storage.nbytes()
+            as_bytes = torch.empty(0, dtype=torch.uint8).set_(storage)
+            offset = self._in_slot_bytes(as_bytes, storage.data_ptr(), nbytes) if self.arena is not None else None
+            if offset is None:
+                offset = self._place(nbytes, as_bytes)
+            storage_pid = self.shared_pids[key] = ("s", offset, None, nbytes)
+        return ("w", storage_pid, tensor.dtype, tuple(tensor.shape), tuple(tensor.stride()),
+                tensor.storage_offset(), tensor.requires_grad)
+
+    def shared_storages(self) -> frozenset[int]:
+        """The storages to send whole: shared by two tensors or more, and no bigger than the
+        bytes those tensors span (a batch of small slices of a dataset's big tensor copies the
+        slices, as it would without sharing)."""
+        return frozenset(key for key, (count, spans, nbytes) in self.storage_users.items()
+                         if count > 1 and nbytes <= spans)
 
     def _array_subclass(self, obj: np.ndarray):
         """A masked array as two leaves (data and mask, in the data's memory order as numpy's
@@ -450,10 +506,16 @@ def plan_batch(structure, arena=None) -> BatchPlan:
     """Lay out `structure` (leaves born in `arena`, a SlotArena over the slot it will be written
     to, stay where they are; the rest go after the arena's blocks); raises LayoutError /
     BatchShapeError naming the offending leaf's path."""
+    start = align(max(HEADER_BYTES, arena.used_end if arena is not None else 0))
     buffer = io.BytesIO()
-    planner = _Planner(buffer, align(max(HEADER_BYTES, arena.used_end if arena is not None else 0)), arena)
+    planner = _Planner(buffer, start, arena)
     try:
         planner.dump(structure)
+        shared = planner.shared_storages()
+        if shared:  # tensors sharing a storage: again, with it sent whole (NOTE [ Tensors sharing ... ])
+            buffer = io.BytesIO()
+            planner = _Planner(buffer, start, arena, shared)
+            planner.dump(structure)
     except _Unsupported as exc:
         where = path_of(structure, exc.leaf)
         if type(exc.leaf) is StackedLeaf:
@@ -676,6 +738,18 @@ class _SlotUnpickler(pickle.Unpickler):
                                         f"does not fit its {extent} elements")
             span = torch.frombuffer(self.lease, dtype=dtype, count=extent, offset=start)
             view = span.as_strided(shape, stride)
+            if requires_grad:
+                view.requires_grad_(True)
+            return view
+        if kind == "w":
+            _, storage_pid, dtype, shape, stride, storage_offset, requires_grad = pid
+            storage = self.persistent_load(storage_pid)  # one storage for all its tensors
+            extent = 1 + sum((n - 1) * s for n, s in zip(shape, stride))
+            if (type(storage) is not torch.UntypedStorage or min(stride, default=0) < 0 or storage_offset < 0
+                    or (storage_offset + extent) * dtype.itemsize > storage.nbytes()):
+                raise SlotProtocolError(f"a view of shape {list(shape)}, strides {list(stride)} at element "
+                                        f"{storage_offset} does not fit its shared storage")
+            view = torch.empty(0, dtype=dtype).set_(storage, storage_offset, shape, stride)
             if requires_grad:
                 view.requires_grad_(True)
             return view

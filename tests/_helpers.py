@@ -20,7 +20,55 @@ def assert_same(got, want, path: str = "batch") -> None:
     """`got` equals `want` leaf for leaf: the same container and leaf types (tensor subclasses and
     masked arrays exactly), dtypes (byte order included), shapes, strides of the dimensions that
     have any (size > 1), subclass attributes, masks and fill values, and bytes, bit for bit (NaN
-    payloads included)."""
+    payloads included); and the same plain tensors share a storage (assert_same_sharing)."""
+    _assert_same_leaves(got, want, path)
+    assert_same_sharing(got, want, path)
+
+
+def _plain_tensors(batch, path: str, out: dict) -> dict:
+    """path -> tensor for each non-empty plain tensor of a batch (dicts, lists, tuples)."""
+    if type(batch) is torch.Tensor and batch.layout == torch.strided and batch.numel():
+        out[path] = batch
+    elif isinstance(batch, collections.abc.Mapping):
+        for key, value in batch.items():
+            _plain_tensors(value, f"{path}[{key!r}]", out)
+    elif isinstance(batch, (list, tuple)):
+        for i, value in enumerate(batch):
+            _plain_tensors(value, f"{path}[{i}]", out)
+    return out
+
+
+def _storage_groups(tensors: dict) -> dict:
+    groups: dict = {}
+    for path, tensor in tensors.items():
+        groups.setdefault(tensor.untyped_storage()._cdata, []).append(path)
+    return groups
+
+
+def assert_same_sharing(got, want, path: str = "batch") -> None:
+    """Tensors of `got` that share a storage share one in torch's `want` too, at the same
+    storage offsets (never a sharing torch lacks), and torch's tensors sharing a storage no
+    bigger than the bytes they span share one in `got` (layout.py, NOTE [ Tensors sharing a
+    storage ]: a storage bigger than that travels as copies of the views)."""
+    got_tensors, want_tensors = _plain_tensors(got, path, {}), _plain_tensors(want, path, {})
+    want_group_of = {p: tuple(g) for g in _storage_groups(want_tensors).values() for p in g}
+    for group in _storage_groups(got_tensors).values():
+        if len(group) > 1:
+            assert want_group_of.get(group[0]) == tuple(group), f"{group} share a storage; under torch {want_group_of.get(group[0])}"
+            for p in group:
+                assert got_tensors[p].storage_offset() == want_tensors[p].storage_offset(), (
+                    f"{p}: storage_offset {got_tensors[p].storage_offset()} != {want_tensors[p].storage_offset()}")
+    got_group_of = {p: tuple(g) for g in _storage_groups(got_tensors).values() for p in g}
+    for group in _storage_groups(want_tensors).values():
+        storage = want_tensors[group[0]].untyped_storage()
+        spans = sum((1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))) * t.element_size()
+                    for t in (want_tensors[p] for p in group))
+        if len(group) > 1 and storage.nbytes() <= spans:
+            assert got_group_of.get(group[0]) == tuple(group), (
+                f"under torch {group} share a storage; here {got_group_of.get(group[0])}")
+
+
+def _assert_same_leaves(got, want, path: str) -> None:
     assert type(got) is type(want), f"{path}: {type(got).__name__} != {type(want).__name__}"
     if isinstance(want, torch.Tensor):
         _assert_same_tensor(got, want, path)
@@ -29,14 +77,14 @@ def assert_same(got, want, path: str = "batch") -> None:
     elif isinstance(want, collections.abc.Mapping):
         assert list(got) == list(want), f"{path}: keys {list(got)} != {list(want)}"
         for key in want:
-            assert_same(got[key], want[key], f"{path}[{key!r}]")
+            _assert_same_leaves(got[key], want[key], f"{path}[{key!r}]")
     elif isinstance(want, (list, tuple)):
         assert len(got) == len(want), f"{path}: length {len(got)} != {len(want)}"
         for i, (g, w) in enumerate(zip(got, want)):
-            assert_same(g, w, f"{path}[{i}]")
+            _assert_same_leaves(g, w, f"{path}[{i}]")
     elif dataclasses.is_dataclass(want) and not isinstance(want, type):
         for field in dataclasses.fields(want):
-            assert_same(getattr(got, field.name), getattr(want, field.name), f"{path}.{field.name}")
+            _assert_same_leaves(getattr(got, field.name), getattr(want, field.name), f"{path}.{field.name}")
     else:
         assert got == want, f"{path}: {got!r} != {want!r}"
 

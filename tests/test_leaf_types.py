@@ -397,6 +397,68 @@ def test_strided_tensors_are_views_onto_the_slot():
     del batch, leaf, it
 
 
+# -- tensors sharing a storage (NOTE [ Tensors sharing a storage ] in layout.py) -----------------------
+
+
+def token_sequence(i):
+    return torch.arange(64, dtype=torch.int64) * 7 + i
+
+
+def next_token_pairs(samples):
+    """A language model's collate: inputs and targets, two views of one stacked storage."""
+    sequences = torch.stack(samples)
+    return {"inputs": sequences[:, :-1], "targets": sequences[:, 1:], "as_int32": sequences.view(torch.int32)[0]}
+
+
+def slices_of_a_big_tensor(samples):
+    """Small views of a storage much bigger than they are (a dataset's table): copies."""
+    return [SHARED_TABLE[int(s[0]) % 8] for s in samples]
+
+
+SHARED_TABLE = torch.arange(64 * 1024, dtype=torch.float32).reshape(64, 1024)
+
+
+def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.untyped_storage()._cdata == b.untyped_storage()._cdata
+
+
+@pytest.mark.parametrize("num_workers", [1, 2])
+def test_tensors_sharing_a_storage_share_it_as_under_torch(num_workers):
+    """x = seq[:, :-1], y = seq[:, 1:]: torch delivers two views of one storage (a write to one
+    shows in the other), each with its storage_offset; so does the slot, zero-copy."""
+    want = loaders_agree(Made(token_sequence, n=8), batch_size=4, num_workers=num_workers,
+                         collate_fn=next_token_pairs)
+    assert _same_storage(want[0]["inputs"], want[0]["targets"])  # what torch does
+    loader = ShmDataLoader(Made(token_sequence, n=8), batch_size=4, num_workers=num_workers,
+                           collate_fn=next_token_pairs)
+    it = iter(loader)
+    batch = next(it)
+    inputs, targets, as_int32 = batch["inputs"], batch["targets"], batch["as_int32"]
+    assert _same_storage(inputs, targets) and _same_storage(inputs, as_int32)
+    assert (inputs.storage_offset(), targets.storage_offset()) == (0, 1)
+    assert in_ring(torch.empty(0, dtype=torch.uint8).set_(inputs.untyped_storage()), it)
+    assert inputs.untyped_storage().nbytes() == 4 * 64 * 8  # the storage once, not a copy per view
+    inputs[0, 1] = -5
+    assert targets[0, 0] == -5
+    del batch, inputs, targets, as_int32, it
+
+
+def test_small_views_of_a_big_storage_come_back_as_copies():
+    """Sending the storage whole would put a dataset's whole table in every slot: the views
+    travel as copies (storage_offset 0), the slot no bigger than the bytes they span."""
+    loader = ShmDataLoader(Made(token_sequence, n=8), batch_size=4, num_workers=1, collate_fn=slices_of_a_big_tensor)
+    want = list(torch.utils.data.DataLoader(Made(token_sequence, n=8), batch_size=4, num_workers=1,
+                                            collate_fn=slices_of_a_big_tensor))
+    assert _same_storage(want[0][0], want[0][1])  # torch sends the 256 KiB table
+    it = iter(loader)
+    batch = next(it)
+    for got, expected in zip(batch, want[0]):
+        assert torch.equal(got, expected)
+    assert not _same_storage(batch[0], batch[1])
+    assert it._ring.slot_bytes < SHARED_TABLE.nbytes
+    del batch, it
+
+
 def big_endian(i):
     return {
         "f4": np.array([0.5, -1.25, 3.0 + i], dtype=">f4"),
