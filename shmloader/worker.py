@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
+import numpy as np
 import torch
 from torch.utils.data import default_convert
 
@@ -95,7 +96,15 @@ COLLATE_CUSTOM = "custom"  # the user's collate_fn, output copied once (or born 
 #   too, once a worker has seen it do so (NOTE [ Samples born in the slot ] in
 #   samples_in_slot.py, which also covers torch's default_collate).
 #   SHMLOADER_SLOT_ARENA=0 turns it off.
+#   Before the ring has learnt its slot size (a worker's first batch), the slot is sized by the
+#   samples' array bytes, what a stacking collate_fn makes of them (`first_slot_guess`), so the
+#   first batch is born in its slot too rather than on the heap and copied.  Only from
+#   GUESS_MIN_BYTES up (below, that copy costs little), and a batch that turns out more than
+#   GUESS_MAX_WASTE times smaller than the guess goes to a slot of its own size instead: the ring
+#   learns its slot size from the first slot, which must not be the guess's mistake.
 ARENA_MIN_BYTES = 16 * 1024
+GUESS_MIN_BYTES = 8 << 20
+GUESS_MAX_WASTE = 2
 # NOTE [ Arrays kept across batches ]
 #   A dataset or collate_fn may keep an array born in a slot and return it in a later batch (a
 #   shuffle buffer, a reorder queue, a collate_fn that returns an earlier batch).  Such an array
@@ -116,6 +125,23 @@ ARENA_MIN_BYTES = 16 * 1024
 ARENA_BLOCK_SLACK = 128
 ARENA_MARGIN = 128
 ARENA_TEMPORARIES_MAX = 64 * 1024
+DESCRIPTOR_ROOM = 4096  # a guessed slot's room for the header and the descriptor
+
+
+def first_slot_guess(samples) -> int:
+    """The slot bytes for a custom collate_fn's batch before the ring knows its slot size: the
+    samples' array bytes plus room for the arena's prefixes, temporaries and the descriptor; 0
+    when under GUESS_MIN_BYTES (NOTE [ One copy for a numpy collate_fn ])."""
+    nbytes = arrays = 0
+    for sample in samples:
+        for _, leaf in layout.iter_leaves(sample):
+            if type(leaf) is np.ndarray or type(leaf) is torch.Tensor:
+                nbytes += leaf.nbytes
+                arrays += 1
+    if nbytes < GUESS_MIN_BYTES:
+        return 0
+    per_sample = -(-arrays // max(1, len(samples)))  # a stacked batch's leaves
+    return nbytes + ARENA_BLOCK_SLACK * (per_sample + 1) + ARENA_TEMPORARIES_MAX + DESCRIPTOR_ROOM
 
 
 def arena_slack(plan) -> int:
@@ -450,6 +476,7 @@ class _Worker:
         grant = None
         segment = None
         arena = fresh = in_slot = returned = None
+        guessed = False
         try:
             if self.init_error is not None:
                 stage, payload = self.init_error
@@ -489,7 +516,9 @@ class _Worker:
                 if grant is None:
                     stage = self._enter(AWAITING_SLOT, idx)
                     grant = self._next_grant(idx)
-                    arena, fresh = self.slot_arena(grant)
+                    guess = first_slot_guess(samples) if not (grant[2] or grant[3]) else 0
+                    arena, fresh = self.slot_arena(grant, guess)
+                    guessed = fresh is not None and guess > 0
             stage = self._enter(COLLATING, idx)
             if spec.collate_mode == COLLATE_INTO_SLOT:
                 batch = layout.collate_into_slot(samples)
@@ -518,6 +547,11 @@ class _Worker:
             sources_in_slot = in_slot is self.samples_in_slot and in_slot.fetched_in_slot
             if fresh is not None:  # the slot's segment, made before the collate for the arena
                 segment, grown, generation, fresh = fresh, fresh, granted + 1, None
+            if guessed and GUESS_MAX_WASTE * (plan.total_bytes + arena_slack(plan)) < segment.size:
+                # the guess was far too big: a slot of the batch's size (NOTE [ One copy for ... ]);
+                # the arena keeps the guessed segment mapped for the arrays born in it
+                segment.close_fd()  # never sent
+                plan, sources_in_slot, segment, grown, in_arena = layout.plan_batch(batch), False, None, None, False
             if in_arena and plan.total_bytes > segment.size:
                 # The arena's blocks hold more than the batch (temporaries): lay the batch out
                 # from the slot's start instead, what lies in the slot copied out first.
@@ -527,7 +561,7 @@ class _Worker:
                 if in_arena:  # a new segment gets every byte: nothing is in place there
                     plan = layout.plan_batch(batch)
                     in_arena = False
-                current = segment.size if segment is not None else 0
+                current = segment.size if segment is not None and not guessed else 0  # a guess is no size to grow from
                 needed = plan.total_bytes
                 if spec.collate_mode == COLLATE_CUSTOM:  # room for the arena's block prefixes
                     needed += arena_slack(plan)
@@ -606,15 +640,15 @@ class _Worker:
         in_place = layout.rows_in_place(plan)
         return any(row_arena.live and row_arena.begin not in in_place for row_arena in in_slot.arenas)
 
-    def slot_arena(self, grant: tuple[int, int, int, int]):
+    def slot_arena(self, grant: tuple[int, int, int, int], guess: int = 0):
         """(a SlotArena over the granted slot, the new segment made for it if the slot had none
-        yet), or (None, None) before the ring knows its slot size or when turned off
-        (NOTE [ One copy for a numpy collate_fn ])."""
+        yet), or (None, None) before the ring knows its slot size and without a `guess` of it,
+        or when turned off (NOTE [ One copy for a numpy collate_fn ])."""
         if os.environ.get("SHMLOADER_SLOT_ARENA", "1") == "0":
             return None, None
         from ._ring import SlotArena
 
-        segment, fresh = self.segment_for(grant, 0)
+        segment, fresh = self.segment_for(grant, guess)
         if segment is None:
             return None, None
         return SlotArena(segment, layout.HEADER_BYTES, ARENA_MIN_BYTES), fresh

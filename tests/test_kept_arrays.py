@@ -29,6 +29,13 @@ class Rows(Dataset):
         return np.full(SHAPE, float(i))
 
 
+class BigRows(Rows):
+    """Batches of 4 × 2.5 MiB: the first slot is sized by a guess (worker.first_slot_guess)."""
+
+    def __getitem__(self, i):
+        return np.full((320, 1024), float(i))
+
+
 class ReturnsLater(Dataset):
     """Keeps each array it makes and returns it two samples later (a prefetch or reorder queue)."""
 
@@ -81,11 +88,12 @@ def _both(make_dataset, make_collate, num_workers):
 @pytest.mark.parametrize("num_workers", [1, 2])
 @pytest.mark.parametrize("make_dataset, make_collate", [
     (Rows, StacksEarlier),
+    (BigRows, StacksEarlier),
     (ReturnsLater, lambda: None),
     (ReturnsLater, lambda: identity),
     (ShuffleBuffer, lambda: None),
     (ShuffleBuffer, lambda: identity),
-], ids=["collate-returns-earlier", "dataset-returns-later", "dataset-returns-later-identity",
+], ids=["collate-returns-earlier", "collate-returns-earlier-big", "dataset-returns-later", "dataset-returns-later-identity",
         "shuffle-buffer", "shuffle-buffer-identity"])
 def test_an_array_kept_and_returned_later_is_never_overwritten(make_dataset, make_collate, num_workers):
     got, want = _both(make_dataset, make_collate, num_workers)

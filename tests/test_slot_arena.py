@@ -69,6 +69,42 @@ def _both(dataset, collate_fn, hold: bool = False, **kwargs):
     return shm, ref, loader.stats()
 
 
+BIG_ROW = 3 << 20  # 4 samples a batch: above GUESS_MIN_BYTES, so the first slot is guessed
+
+
+def quarter(samples):
+    return np.stack(samples[:1])
+
+
+def twice(samples):
+    return np.concatenate([np.stack(samples), np.stack(samples)])
+
+
+@pytest.mark.parametrize("num_workers", [1, 2])
+def test_the_first_batch_of_a_numpy_collate_is_born_in_its_slot(num_workers):
+    """Before the ring knows its slot size, the samples' bytes size the slot (first_slot_guess):
+    every batch, each worker's first included, is stacked in place, none copied from the heap."""
+    from shmloader.worker import GUESS_MIN_BYTES
+
+    assert 4 * BIG_ROW >= GUESS_MIN_BYTES
+    shm, ref, stats = _both(Rows(n=16, row=BIG_ROW), stack, num_workers=num_workers)
+    assert_same_batches(shm, ref)
+    assert stats.in_place_bytes == len(shm) * 4 * BIG_ROW, stats
+    assert stats.slot_bytes < 4 * BIG_ROW + (1 << 20), stats
+    del shm
+
+
+@pytest.mark.parametrize("collate_fn", [quarter, twice])
+def test_a_wrong_first_slot_guess_does_not_size_the_ring(collate_fn):
+    """A batch much smaller than its samples gets a slot of its own size (the ring learns its
+    slot size from the first slot); a bigger one grows from nothing, not from the guess."""
+    shm, ref, stats = _both(Rows(n=16, row=BIG_ROW), collate_fn, num_workers=2)
+    assert_same_batches(shm, ref)
+    batch_bytes = shm[0].nbytes
+    assert batch_bytes <= stats.slot_bytes <= batch_bytes + batch_bytes // 64 + (1 << 20), (batch_bytes, stats)
+    del shm
+
+
 @pytest.mark.parametrize("hold", [False, True])
 @pytest.mark.parametrize("collate_fn", [stack, concat_dict, fill, views])
 def test_numpy_collates_give_torchs_batches(collate_fn, hold):
