@@ -41,8 +41,8 @@ Mode transports (the ``epochs`` and ``rows`` workloads only; skipped, with the r
 ``ShmDataLoader``'s signature does not take their argument, so the tables work before and after
 the mode lands):
 
-- ``shmloader-no-epoch-prefetch``: ``shmloader`` with ``prefetch_next_epoch=False`` (persistent
-  workers do not start the next epoch's batches before its ``iter()``);
+- ``shmloader-epoch-prefetch``: ``shmloader`` with ``prefetch_next_epoch=True`` (persistent
+  workers start the next epoch's batches before its ``iter()``; ``shmloader`` drains, as torch);
 - ``shmloader-rows``: ``shmloader`` with ``sample_parallel=True`` (the samples of one batch are
   spread over all workers).
 
@@ -101,9 +101,8 @@ def all_transports() -> dict[str, Transport]:
         "shmloader-np-stack": Transport("shmloader-np-stack", "shmloader", "np-stack"),
         "shmloader-untimed": Transport("shmloader-untimed", "shmloader", "default", timing=False),
         "spdl-arena": Transport("spdl-arena", "spdl", "np-stack", seed_collate="numpy"),
-        "shmloader-no-epoch-prefetch": Transport("shmloader-no-epoch-prefetch", "shmloader",
-                                                 "default",
-                                                 extra=(("prefetch_next_epoch", False),)),
+        "shmloader-epoch-prefetch": Transport("shmloader-epoch-prefetch", "shmloader", "default",
+                                              extra=(("prefetch_next_epoch", True),)),
         "shmloader-rows": Transport("shmloader-rows", "shmloader", "default",
                                     extra=(("sample_parallel", True),)),
         "work-only": Transport("work-only", "work", "numpy"),

@@ -135,8 +135,9 @@ class ShmDataLoader(DataLoader[_T_co]):
         (NOTE [ Held batches ] in ring.py).
     prefetch_next_epoch: with persistent_workers, start the next epoch's first batches while the
         loop takes this epoch's last ones, and keep each only if the sampler really yields its
-        indices (NOTE [ Cross-epoch prefetch ] in epochs.py).  On by default; False drains at
-        each epoch's end, as torch does.
+        indices (NOTE [ Cross-epoch prefetch ] in epochs.py).  Off by default (drained at each
+        epoch's end, as torch does): those batches are fetched before your code between epochs
+        runs, so turn it on only where what the dataset returns does not depend on that code.
     """
 
     def __init__(self, dataset, batch_size=1, shuffle=None, sampler=None, batch_sampler=None,
@@ -144,7 +145,7 @@ class ShmDataLoader(DataLoader[_T_co]):
                  worker_init_fn=None, multiprocessing_context=None, generator=None, *,
                  prefetch_factor=None, persistent_workers=False, pin_memory_device="",
                  in_order=True, slot_bytes: int | None = None, max_ring_slots: int | None = None,
-                 max_ring_bytes: int | None = None, prefetch_next_epoch: bool = True,
+                 max_ring_bytes: int | None = None, prefetch_next_epoch: bool = False,
                  sample_parallel: bool = False):
         for name, value, least in (("slot_bytes", slot_bytes, 1), ("max_ring_slots", max_ring_slots, 1),
                                    ("max_ring_bytes", max_ring_bytes, 1)):
@@ -360,7 +361,7 @@ class _ShmLoaderIter(_PoolIter):
         self._events: collections.deque = collections.deque()  # results read ahead of their wait
         self._task_info: dict[int, tuple] = {}
         # NOTE [ Cross-epoch prefetch ] in epochs.py
-        self._ahead_on = (self._persistent_workers and getattr(loader, "prefetch_next_epoch", True)
+        self._ahead_on = (self._persistent_workers and getattr(loader, "prefetch_next_epoch", False)
                           and self._dataset_kind == torch_private.DatasetKind.Map
                           and not state.is_stateful(self._dataset))
         self._ahead: epochs.Forecast | None = None  # the next epoch's, while this one ends

@@ -52,7 +52,7 @@ def test_mode_workloads_are_planned_apart():
     _, points, names = cli.plan(cli.build_parser().parse_args(["-w", "epochs,rows,transport"]))
     by = {p.workload: p for p in points}
     assert cli.transports_for(by["epochs"], names) == [
-        "torch-shm", "shmloader", "shmloader-no-epoch-prefetch"]
+        "torch-shm", "shmloader", "shmloader-epoch-prefetch"]
     assert cli.transports_for(by["rows"], names) == ["torch-shm", "shmloader", "shmloader-rows",
                                                     "work-only"]
     assert not set(cli.transports_for(by["transport"], names)) & set(cli.MODE_ONLY)
@@ -88,9 +88,9 @@ def test_epochs_quick_end_to_end(tmp_path, capfd):
     (p,) = doc["points"]
     assert p["workload"] == "epochs" and p["num_workers"] == 2
     ran = ["torch-shm", "shmloader"]
-    if _check_mode_transport(p["transports"]["shmloader-no-epoch-prefetch"],
+    if _check_mode_transport(p["transports"]["shmloader-epoch-prefetch"],
                              "prefetch_next_epoch"):
-        ran.append("shmloader-no-epoch-prefetch")
+        ran.append("shmloader-epoch-prefetch")
     for tn in ran:
         assert "repeats" in p["transports"][tn], (tn, p["transports"][tn], doc["warnings"])
         (r,) = p["transports"][tn]["repeats"]
@@ -141,7 +141,7 @@ def modes_built(monkeypatch):
     shmloader = pytest.importorskip("shmloader")
 
     class WithModes(shmloader.ShmDataLoader):
-        def __init__(self, *args, prefetch_next_epoch=True, sample_parallel=False, **kwargs):
+        def __init__(self, *args, prefetch_next_epoch=False, sample_parallel=False, **kwargs):
             self.seen = {"prefetch_next_epoch": prefetch_next_epoch,
                          "sample_parallel": sample_parallel}
             super().__init__(*args, **kwargs)
@@ -158,18 +158,18 @@ def test_mode_transports_pass_their_kwarg_once_it_exists(modes_built):
     (r,) = rows_points([2], quick=True)
     (e,) = epochs_points([2], quick=True)
     assert skip_reason(t["shmloader-rows"], r) is None
-    assert skip_reason(t["shmloader-no-epoch-prefetch"], e) is None
+    assert skip_reason(t["shmloader-epoch-prefetch"], e) is None
     assert make_loader(t["shmloader-rows"], r).seen == {
-        "prefetch_next_epoch": True, "sample_parallel": True}
-    assert make_loader(t["shmloader-no-epoch-prefetch"], e).seen == {
-        "prefetch_next_epoch": False, "sample_parallel": False}
-    assert make_loader(t["shmloader"], e).seen == {
+        "prefetch_next_epoch": False, "sample_parallel": True}
+    assert make_loader(t["shmloader-epoch-prefetch"], e).seen == {
         "prefetch_next_epoch": True, "sample_parallel": False}
+    assert make_loader(t["shmloader"], e).seen == {
+        "prefetch_next_epoch": False, "sample_parallel": False}
 
 
 @pytest.mark.timeout(120)
 def test_epochs_table_has_the_mode_row_once_it_exists(tmp_path, capfd, modes_built):
     doc, out = _run(tmp_path, "epochs", capfd)
     (p,) = doc["points"]
-    assert "summary" in p["transports"]["shmloader-no-epoch-prefetch"]
-    assert "shmloader-no-epoch-prefetch" in out and "skipped" not in out
+    assert "summary" in p["transports"]["shmloader-epoch-prefetch"]
+    assert "shmloader-epoch-prefetch" in out and "skipped" not in out

@@ -20,6 +20,14 @@ from ._helpers import assert_same_batches
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("no_leaks")]
 
+
+class Prefetching(ShmDataLoader):
+    """ShmDataLoader with the mode under test turned on (it is opt-in: off, shmloader drains at
+    each epoch's end as torch does)."""
+
+    def __init__(self, *args, prefetch_next_epoch: bool = True, **kwargs):
+        super().__init__(*args, prefetch_next_epoch=prefetch_next_epoch, **kwargs)
+
 EPOCHS = 3
 
 
@@ -57,7 +65,7 @@ def run(make, epochs: int = EPOCHS, between=None) -> list:
 
 
 def side_by_side(dataset, between=None, prefetched: bool = True, **kwargs):
-    """The same epochs from torch's DataLoader and ShmDataLoader; returns shmloader's stats."""
+    """The same epochs from torch's DataLoader and Prefetching; returns shmloader's stats."""
     kwargs = dict(num_workers=2, persistent_workers=True, **kwargs)
     seed = kwargs.pop("seed", None)
 
@@ -74,7 +82,7 @@ def side_by_side(dataset, between=None, prefetched: bool = True, **kwargs):
     torch.manual_seed(7)
     want, _ = run(make(DataLoader), between=between)
     torch.manual_seed(7)
-    got, loader = run(make(ShmDataLoader), between=between)
+    got, loader = run(make(Prefetching), between=between)
     for epoch, (g, w) in enumerate(zip(got, want)):
         assert len(g) == len(w), f"epoch {epoch}: {len(g)} batches, torch {len(w)}"
         assert_same_batches(g, w)
@@ -153,7 +161,7 @@ def test_iterable_dataset_is_not_prefetched_and_is_torchs():
 
 
 def test_turned_off():
-    loader = ShmDataLoader(Noisy(), batch_size=4, num_workers=2, persistent_workers=True,
+    loader = Prefetching(Noisy(), batch_size=4, num_workers=2, persistent_workers=True,
                            prefetch_next_epoch=False)
     for _ in range(EPOCHS):
         list(loader)
@@ -180,7 +188,7 @@ def test_an_error_in_a_prefetched_batch_is_raised_at_its_turn():
         return seen, loader
 
     want, _ = epochs_of(DataLoader)
-    got, loader = epochs_of(ShmDataLoader)
+    got, loader = epochs_of(Prefetching)
     assert got == want and "KeyError" in got[1], got
     assert loader.stats().prefetched_next_epoch > 0
 
@@ -199,13 +207,13 @@ def test_an_epoch_left_early_then_the_next_one():
                     break
         return out
 
-    assert_same_batches(epochs_of(ShmDataLoader), epochs_of(DataLoader))
+    assert_same_batches(epochs_of(Prefetching), epochs_of(DataLoader))
 
 
 def test_workers_and_segments_are_released(tmp_path):
     """An epoch left with the next one's tasks in flight, then the loader dropped: nothing stays
     (the no_leaks fixture checks processes, fds and /dev/shm)."""
-    loader = ShmDataLoader(Noisy(), batch_size=4, num_workers=2, persistent_workers=True)
+    loader = Prefetching(Noisy(), batch_size=4, num_workers=2, persistent_workers=True)
     list(loader)
     assert os.getpid() > 0
     del loader
@@ -229,15 +237,49 @@ def test_out_of_order_delivery_keeps_each_epochs_batches():
         return out, loader
 
     want, _ = epochs_of(DataLoader)
-    got, loader = epochs_of(ShmDataLoader)
+    got, loader = epochs_of(Prefetching)
     assert got == want
     assert loader.stats().prefetched_next_epoch > 0
 
 
 def test_stats_count_kept_batches_and_misses_in_the_dict_form():
-    loader = ShmDataLoader(Noisy(), batch_size=4, num_workers=2, persistent_workers=True, shuffle=True,
+    loader = Prefetching(Noisy(), batch_size=4, num_workers=2, persistent_workers=True, shuffle=True,
                            generator=torch.Generator().manual_seed(1))
     for _ in range(EPOCHS):
         list(loader)
     data = loader.stats().as_dict()
     assert data["prefetched_next_epoch"] == 4 * (EPOCHS - 1) and data["forecast_misses"] == 0, data
+
+
+class SharedDifficulty(Dataset):
+    """Reads a value the training loop sets between epochs through shared memory (a curriculum):
+    what a sample holds depends on when it is fetched."""
+
+    def __init__(self):
+        self.difficulty = torch.zeros(1).share_memory_()
+
+    def __len__(self):
+        return 16
+
+    def __getitem__(self, i):
+        return np.array([i, float(self.difficulty[0])])
+
+
+def test_by_default_an_epoch_is_fetched_after_its_iter_as_under_torch():
+    """Off by default: a dataset that reads state the loop changes between epochs (shared memory,
+    files) gets every batch of an epoch fetched after that change, as torch fetches them."""
+    def set_difficulty(loader, epoch):
+        loader.dataset.difficulty[0] = epoch
+
+    got, want = [], []
+    for cls, out in ((ShmDataLoader, got), (DataLoader, want)):
+        batches, loader = run(lambda cls=cls: cls(SharedDifficulty(), batch_size=4, num_workers=2,
+                                                  persistent_workers=True, shuffle=True,
+                                                  generator=torch.Generator().manual_seed(5)),
+                              between=set_difficulty)
+        out.extend(batches)
+        if cls is ShmDataLoader:
+            assert loader.stats().prefetched_next_epoch == 0
+    for epoch, (g, w) in enumerate(zip(got, want)):
+        assert {float(v) for b in g for v in b[:, 1]} == {float(epoch)}, f"epoch {epoch} saw another epoch's state"
+        assert_same_batches(g, w)
