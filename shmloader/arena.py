@@ -16,6 +16,7 @@ come from torch's own allocator, which cannot be redirected; two things bring th
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -63,6 +64,12 @@ class SlotTensorMode(TorchFunctionMode):
             return None
         if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
             return None  # out= does not support autograd
+        dtype = functools.reduce(torch.promote_types, (t.dtype for t in tensors))
+        if sum(t.numel() for t in tensors) * dtype.itemsize < self.min_bytes:
+            return None  # the result's bytes: too few for the arena
+        spec = _contiguous_result(func, tensors, args, kwargs)
+        if spec is not None:
+            return empty_tensor(spec, dtype)
         try:  # torch's own shape, dtype and memory layout of the result, without computing it
             result = func([t.to("meta") for t in tensors], *args[1:], **kwargs)
         except Exception:
@@ -70,3 +77,31 @@ class SlotTensorMode(TorchFunctionMode):
         if not result.is_contiguous() or result.numel() * result.element_size() < self.min_bytes:
             return None
         return empty_tensor(result.shape, result.dtype)
+
+
+def _contiguous_result(func, tensors, args, kwargs) -> tuple[int, ...] | None:
+    """The shape of torch.stack / torch.cat of contiguous tensors along an int `dim` (their result
+    is contiguous, of the promoted dtype), worked out here: torch's meta kernels, which tell it
+    in every other case, take a second on their first call in a fresh worker.  None where those
+    are needed: other layouts, other arguments, shapes torch would refuse, cat's empty 1-d
+    tensors."""
+    dim = args[1] if len(args) > 1 else kwargs.get("dim", 0)
+    if type(dim) is not int or len(args) > 2 or set(kwargs) - {"tensors", "dim"}:
+        return None
+    if not all(t.is_contiguous() for t in tensors):
+        return None
+    first = tuple(tensors[0].shape)
+    if func is torch.stack:
+        if any(tuple(t.shape) != first for t in tensors) or not -len(first) - 1 <= dim <= len(first):
+            return None
+        dim %= len(first) + 1
+        return (*first[:dim], len(tensors), *first[dim:])
+    rank = len(first)
+    if rank == 0 or not -rank <= dim < rank:
+        return None
+    dim %= rank
+    for t in tensors:
+        shape = tuple(t.shape)
+        if len(shape) != rank or shape[:dim] != first[:dim] or shape[dim + 1:] != first[dim + 1:] or t.numel() == 0:
+            return None
+    return (*first[:dim], sum(t.shape[dim] for t in tensors), *first[dim + 1:])
