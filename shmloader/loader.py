@@ -173,9 +173,22 @@ class ShmDataLoader(DataLoader[_T_co]):
         self._final_stats: LoaderStats | None = None
         self._timing = timing_enabled()  # NOTE [ Stage clocks ] in timing.py
 
+    # NOTE [ A process forked by the user ]
+    #   A process the user forks (os.fork, a fork-started multiprocessing child) inherits the
+    #   loader and its iterator: the sockets to the workers and the ring's mappings.  Those
+    #   workers are the parent's children; were the child to send on those sockets, or stop the
+    #   workers when its copy is collected, the two processes would read each other's messages
+    #   and the parent's loader would hang or break.  So an iterator remembers the process that
+    #   made it: in any other, next() raises and its shutdown does nothing but drop references,
+    #   and iter(loader) starts workers of the child's own (a persistent iterator of the parent's
+    #   is disowned first), so the child gets torch's batches and the parent is undisturbed.
+
     def __iter__(self):
         if getattr(self._iterator, "_shutdown", False):
             self._iterator = None  # a persistent iterator shut down by an error: start afresh
+        if getattr(self._iterator, "_owner_pid", os.getpid()) != os.getpid():
+            self._iterator.disown()  # the parent's (NOTE [ A process forked by the user ])
+            self._iterator = None
         return state.start_epoch(self, super().__iter__)  # NOTE [ Resuming mid-epoch ] in state.py
 
     def _get_iterator(self):
@@ -277,6 +290,7 @@ class _PoolIter(torch_private.BaseDataLoaderIter):
         self._batches = 0
         self._epoch = 0
         self._loader_ref = weakref.ref(loader)
+        self._owner_pid = os.getpid()  # NOTE [ A process forked by the user ]
 
     # The parts, by the names tests and tools know them by.
     @property
@@ -288,7 +302,14 @@ class _PoolIter(torch_private.BaseDataLoaderIter):
         return self._pool.processes if self._pool is not None else []
 
     def _check_open(self) -> None:
-        """At each next(): an ended iterator stops, a broken one raises again."""
+        """At each next(): an ended iterator stops, a broken one raises again, and one used from
+        a process the user forked from its owner says so (NOTE [ A process forked by the user ])."""
+        if os.getpid() != self._owner_pid:
+            raise RuntimeError(
+                f"this DataLoader iterator belongs to process {self._owner_pid}, whose children its "
+                f"workers are; process {os.getpid()} was forked from it and cannot use them: call "
+                "iter(loader) in this process for workers of its own"
+            )
         if self._shutdown:
             if self._broken is not None:
                 raise LoaderBrokenError(
@@ -322,9 +343,17 @@ class _PoolIter(torch_private.BaseDataLoaderIter):
     def _drop_buffered(self) -> None:
         """Forget the batches read but not delivered (their leases go, and their slots)."""
 
+    def disown(self) -> None:
+        """In a process the user forked from the owner: forget the workers and the ring without
+        a word to them, since they are the owner's (NOTE [ A process forked by the user ])."""
+        self._shutdown = True
+
     def _shutdown_workers(self) -> None:
         """See NOTE [ Shutdown ] in pool.py."""
         if self._shutdown:
+            return
+        if os.getpid() != self._owner_pid:  # the garbage of a forked copy: not ours to stop
+            self.disown()
             return
         self._shutdown = True
         try:

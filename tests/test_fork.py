@@ -1,0 +1,86 @@
+"""A process the user forks from the training process (NOTE [ A process forked by the user ] in
+loader.py): the child may iterate the loader with workers of its own, and never disturbs the
+parent's workers, whether it iterates, calls next() on the parent's iterator, or just exits."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from shmloader import ShmDataLoader
+
+pytestmark = [pytest.mark.timeout(90), pytest.mark.usefixtures("no_leaks")]
+
+DATA = torch.arange(40.0).view(40, 1)
+
+
+def _in_child(body) -> int:
+    """Run `body()` in a forked child; its exit status (0: it returned True)."""
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            code = 0 if body() else 3
+        except BaseException as exc:  # noqa: BLE001 - reported through the exit status
+            sys.stderr.write(f"child: {type(exc).__name__}: {exc}\n")
+            code = 2
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status)
+
+
+@pytest.mark.parametrize("persistent_workers", [False, True])
+def test_a_forked_child_iterates_with_workers_of_its_own_and_the_parent_goes_on(persistent_workers):
+    loader = ShmDataLoader(DATA, batch_size=4, num_workers=2, persistent_workers=persistent_workers)
+    want = list(DataLoader(DATA, batch_size=4))
+    assert all(torch.equal(a, b) for a, b in zip(loader, want))  # workers (persistent: alive) now
+
+    def child():
+        return all(torch.equal(a, b) for a, b in zip(loader, want)) and len(list(loader)) == len(want)
+
+    assert _in_child(child) == 0
+    for _ in range(2):  # the parent's epochs, on its own workers
+        got = list(loader)
+        assert len(got) == len(want) and all(torch.equal(a, b) for a, b in zip(got, want))
+    del got
+
+
+def test_next_on_the_parents_iterator_in_a_child_raises_and_leaves_the_parent_alone():
+    loader = ShmDataLoader(DATA, batch_size=4, num_workers=2)
+    it = iter(loader)
+    first = next(it)
+
+    def child():
+        try:
+            next(it)
+        except RuntimeError as exc:
+            return "forked" in str(exc) and "iter(loader)" in str(exc)
+        return False
+
+    assert _in_child(child) == 0
+    rest = list(it)
+    assert torch.equal(first, DATA[:4]) and len(rest) == 9 and torch.equal(rest[-1], DATA[36:])
+    del first, rest
+
+
+def test_a_child_that_exits_through_the_garbage_collector_stops_none_of_the_parents_workers():
+    loader = ShmDataLoader(DATA, batch_size=4, num_workers=2, persistent_workers=True)
+    assert len(list(loader)) == 10
+
+    def child():
+        import gc
+
+        global_loader = loader
+        del global_loader
+        gc.collect()
+        loader._iterator.__del__()  # what the collector runs at the child's exit
+        return True
+
+    assert _in_child(child) == 0
+    assert all(p.is_alive() for p in loader._iterator._workers)
+    assert len(list(loader)) == 10
