@@ -12,7 +12,9 @@ NOTE [ Cross-epoch prefetch ]
   num_workers) that a fresh `iter(index_sampler)` would yield if it were made now. It draws them
   from a deep copy of the index sampler (the batch sampler with automatic batching, else the
   sampler), with the dataset passed in `memo` so the copy shares it instead of copying (a
-  sampler's data_source may be huge, or not copyable at all). The states of torch's global CPU
+  sampler's data_source may be huge, or not copyable at all), and with its large numpy arrays
+  shared read-only (`_share_read_only`: an index table is not copied at every epoch's end; a
+  sampler that writes to one is drawn again from a whole copy). The states of torch's global CPU
   RNG, Python's `random` and numpy's global RNG are saved before the draw and put back after it,
   so that nothing the rest of the process sees changes: a copy's generators are its own, and a
   draw from a global RNG (RandomSampler without a generator draws its seed from torch's) is undone.
@@ -101,17 +103,90 @@ def forecast(index_sampler: Any, count: int, *, dataset: Any = None) -> list | N
         return None
     if count == 0:
         return []
+    items = _draw(index_sampler, count, dataset, share=True)
+    if items is _WROTE_SHARED:  # it writes to its arrays: a copy of its own, then
+        items = _draw(index_sampler, count, dataset, share=False)
+    return items
+
+
+_WROTE_SHARED = object()
+
+
+def _draw(index_sampler: Any, count: int, dataset: Any, share: bool):
+    """forecast()'s draw from a copy, its large arrays shared read-only if `share`
+    (_WROTE_SHARED where the copy wrote to one)."""
     saved = _save_rngs()
+    memo = {} if dataset is None else {id(dataset): dataset}
+    frozen = _share_read_only(index_sampler, memo) if share else []
     try:
-        twin = copy.deepcopy(index_sampler, {} if dataset is None else {id(dataset): dataset})
+        twin = copy.deepcopy(index_sampler, memo)
         holders = _epoch_holders(twin)
         for holder, epoch in holders:  # outermost first, each to its own epoch + 1
             holder.set_epoch(epoch + 1)
         return list(itertools.islice(iter(twin), count))
+    except ValueError as exc:
+        return _WROTE_SHARED if frozen and "read-only" in str(exc) else None
     except Exception:
         return None
     finally:
+        _make_writeable(frozen)
         _restore_rngs(saved)
+
+
+SHARED_MIN_BYTES = 1 << 20
+
+
+def _make_writeable(arrays: list) -> None:
+    """Undo _share_read_only: bases before their views, whatever the order they were met in."""
+    left = list(arrays)
+    for _ in range(len(left) + 1):
+        failed = []
+        for array in left:
+            try:
+                array.flags.writeable = True
+            except ValueError:  # its base is still read-only: after the base
+                failed.append(array)
+        if not failed:
+            return
+        left = failed
+
+
+def _share_read_only(obj: Any, memo: dict, depth: int = 3) -> list:
+    """Large numpy arrays a sampler holds (an index table, weights), put in the deepcopy `memo`
+    so that the copy shares them instead of copying them at every epoch's end, and made
+    read-only until the forecast is drawn: a sampler that writes to one (shuffles it in place)
+    raises in the copy, and is drawn again from a whole copy; the real array is never changed.
+    Returns the arrays it made read-only, to make writeable again."""
+    frozen: list = []
+    seen: set = set()
+
+    def visit(value, level):
+        if id(value) in seen or id(value) in memo:
+            return
+        seen.add(id(value))
+        if type(value) is np.ndarray:
+            if value.nbytes >= SHARED_MIN_BYTES and not value.dtype.hasobject:
+                if value.flags.writeable:
+                    value.flags.writeable = False
+                    frozen.append(value)
+                memo[id(value)] = value
+            return
+        if level == 0:
+            return
+        if isinstance(value, (list, tuple)):
+            items = value
+        elif isinstance(value, dict):
+            items = value.values()
+        else:
+            items = getattr(value, "__dict__", {}).values()
+        for item in items:
+            visit(item, level - 1)
+
+    try:
+        visit(obj, depth)
+    except Exception:  # an odd object: what was shared stays shared, read-only until the end
+        pass
+    return frozen
 
 
 def matches(forecast_item: Any, real_item: Any) -> bool:

@@ -448,3 +448,45 @@ def test_forecast_object():
     assert not made.agrees(0, real[1])
     assert not made.agrees(-1, real[3])
     assert epochs.make(_InfiniteConstantSampler(), 4, epoch=0) is None
+
+
+class TableSampler(torch.utils.data.Sampler):
+    """Holds a large index table (4 MiB) and yields from it; with `shuffles`, shuffles it in
+    place at each epoch (its own generator)."""
+
+    def __init__(self, shuffles: bool = False):
+        self.table = np.arange(N).repeat((1 << 19) // N + 1)[: 1 << 19]  # 512 Ki int64
+        self.view = self.table[::2]  # a view of it, met too
+        self.shuffles = shuffles
+        self.rng = np.random.default_rng(0)
+
+    def __len__(self):
+        return N
+
+    def __iter__(self):
+        if self.shuffles:
+            self.rng.shuffle(self.table)
+        return iter(int(i) for i in self.table[:N])
+
+
+def test_a_samplers_large_arrays_are_shared_read_only_not_copied():
+    import tracemalloc
+
+    sampler = TableSampler()
+    tracemalloc.start()
+    try:
+        tracemalloc.reset_peak()
+        items = forecast(sampler, K)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert items == list(sampler)[:K]
+    assert peak < sampler.table.nbytes // 2, peak  # not copied
+    assert sampler.table.flags.writeable and sampler.view.flags.writeable  # given back
+
+
+def test_a_sampler_that_writes_its_large_array_is_forecast_from_a_whole_copy():
+    sampler, twin = TableSampler(shuffles=True), TableSampler(shuffles=True)
+    items = forecast(sampler, K)  # its copy could not shuffle the shared table: drawn again
+    assert sampler.table.flags.writeable
+    assert items == list(twin)[:K] == list(sampler)[:K]  # the real table was never shuffled by the forecast
