@@ -668,10 +668,10 @@ class _ShmLoaderIter(_PoolIter):
         loop will not wait for a batch before its next-but-`count` next() (in order only)."""
         if not self._in_order:
             return False
-        queued = {event[0] for event in self._events}
+        task_info, events = self._task_info, self._events
         for idx in range(self._rcvd_idx, self._rcvd_idx + count):
-            info = self._task_info.get(idx)
-            if not (info is not None and len(info) == 2) and idx not in queued:
+            info = task_info.get(idx)
+            if not (info is not None and len(info) == 2) and not any(event[0] == idx for event in events):
                 return False
         return True
 

@@ -20,7 +20,6 @@ NOTE [ Shutdown ]
 
 from __future__ import annotations
 
-import contextlib
 import math
 import select
 import time
@@ -61,6 +60,26 @@ class Poller:
 
     def ready(self, timeout: float) -> list[int]:
         return [fd for fd, _ in self._poll.poll(max(0, math.ceil(timeout * 1000)))]
+
+
+class _Coalesced:
+    """WorkerPool.coalesced()."""
+
+    __slots__ = ("pool",)
+
+    def __init__(self, pool: WorkerPool):
+        self.pool = pool
+
+    def __enter__(self) -> None:
+        for channel in self.pool.channels:
+            channel.hold()
+
+    def __exit__(self, *exc_info) -> None:
+        for worker_id, channel in enumerate(self.pool.channels):
+            try:
+                channel.flush()
+            except (BrokenPipeError, ConnectionResetError):
+                self.pool._report_death(worker_id)
 
 
 class WorkerPool:
@@ -118,20 +137,11 @@ class WorkerPool:
         except (BrokenPipeError, ConnectionResetError):
             self._report_death(worker_id)
 
-    @contextlib.contextmanager
-    def coalesced(self):
+    def coalesced(self) -> _Coalesced:
         """Messages sent inside go out as one write per worker, at the end (Channel.hold):
-        nothing inside may wait for a worker."""
-        for channel in self.channels:
-            channel.hold()
-        try:
-            yield
-        finally:
-            for worker_id, channel in enumerate(self.channels):
-                try:
-                    channel.flush()
-                except (BrokenPipeError, ConnectionResetError):
-                    self._report_death(worker_id)
+        nothing inside may wait for a worker.  (A plain context manager, not a generator: it
+        runs at every batch.)"""
+        return _Coalesced(self)
 
     def _report_death(self, worker_id: int) -> None:
         on_death = self._on_death()

@@ -55,8 +55,6 @@ NOTE [ Slots the loop gives back ]
 
 from __future__ import annotations
 
-from contextlib import contextmanager
-
 from . import layout
 from .protocol import Forget, Grant, Ready
 from .ring import CONSUMER_SLOTS, Ring
@@ -66,6 +64,21 @@ GRANTS_PER_WORKER = 2  # the slot being written + one to go on with (small slots
 # holds a whole slot idle meanwhile: worth it while that round trip is a sizeable part of a
 # batch's time, not for large slots (NOTE [ Slot grants ]).
 AHEAD_MAX_SLOT_BYTES = 32 << 20
+
+
+class _Deferral:
+    """What SlotScheduler.deferring() returns: its exit ends the deferral."""
+
+    __slots__ = ("scheduler",)
+
+    def __init__(self, scheduler: SlotScheduler):
+        self.scheduler = scheduler
+
+    def __enter__(self) -> None:
+        pass
+
+    def __exit__(self, *exc_info) -> None:
+        self.scheduler._defer_new_segments = False
 
 
 class SlotScheduler:
@@ -89,6 +102,7 @@ class SlotScheduler:
         self._quota = min(GRANTS_PER_WORKER, prefetch_factor)
         self._owed: dict[tuple[int, int], int] = {}  # (epoch, idx) -> worker, in send order
         self._defer_new_segments = False  # NOTE [ Slots the loop gives back ]
+        self._deferral = _Deferral(self)
         self.in_place_bytes = 0  # array bytes workers did not copy (NOTE in worker.py)
 
     # -- what the iterator tells it --------------------------------------------------------------
@@ -191,14 +205,12 @@ class SlotScheduler:
                     del known[slot]
                     self.send(worker_id, Forget(slot, generation))
 
-    @contextmanager
-    def deferring(self, defer: bool):
-        """While `defer`, grants take only created free slots (NOTE [ Slots the loop gives back ])."""
+    def deferring(self, defer: bool) -> _Deferral:
+        """`with deferring(defer):` while `defer`, grants take only created free slots
+        (NOTE [ Slots the loop gives back ]).  (A plain context manager, not a generator: it runs
+        twice at every batch.)"""
         self._defer_new_segments = defer
-        try:
-            yield
-        finally:
-            self._defer_new_segments = False
+        return self._deferral
 
     def _slot_available(self) -> bool:
         """Whether a slot can be granted now: a free one, one whose copy fence completes (waiting

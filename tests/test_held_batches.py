@@ -203,3 +203,20 @@ def test_held_batches_stay_correct_through_collect_helpers():
     assert_same_batches(got_a, collect(ref_a))
     assert_same_batches(got_b, collect(ref_b))
     del got_a, got_b
+
+
+
+def test_a_batch_sent_to_another_process_is_shared_with_it_as_under_torch():
+    """torch.multiprocessing sends a delivered batch by sharing its memory (a storage not in
+    shared memory yet is moved there first: is_shared() is False on shmloader's batches): a
+    child reads the parent's values, its writes show in the parent, under both loaders alike,
+    and the loader goes on.  In a process of its own, since torch's fd sharing keeps a listener
+    socket for the life of the process."""
+    script = os.path.join(os.path.dirname(__file__), "_shared_batch_script.py")
+    done = subprocess.run([sys.executable, script], capture_output=True, text=True, timeout=100)
+    assert done.returncode == 0, done.stderr
+    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    assert seen["ShmDataLoader"] == seen["DataLoader"], seen
+    sums = seen["DataLoader"]
+    assert sums["child_read"] == sums["parent_before"] and sums["parent_after"] == sums["parent_before"] + 16 * 1000
+    assert len(sums["epoch"]) == 4
