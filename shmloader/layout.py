@@ -141,11 +141,17 @@ def _first_mismatch(rows, key) -> str | None:
     return None
 
 
+def is_plain_strided(tensor: torch.Tensor) -> bool:
+    """Whether `tensor`'s bytes are its values, laid out by its strides in CPU memory: not
+    sparse, nested, quantized (its bytes are not its values), meta or on another device."""
+    return (tensor.layout == torch.strided and tensor.device.type == "cpu"
+            and not tensor.is_nested and not tensor.is_quantized)
+
+
 def _stack_tensors(batch, *, collate_fn_map=None):
     elem = batch[0]
     plain = all(
-        type(t) is torch.Tensor and t.layout == torch.strided and t.device.type == "cpu"
-        and not t.is_nested and t.dtype == elem.dtype and not t.requires_grad
+        type(t) is torch.Tensor and is_plain_strided(t) and t.dtype == elem.dtype and not t.requires_grad
         for t in batch
     )
     if not plain:  # torch's own semantics in a worker (stack into elem's dtype, its errors)
@@ -386,8 +392,8 @@ class _Planner(pickle.Pickler):
                 raise _Unsupported(obj, obj.problem)
             return ("t", self._place(obj.nbytes, obj), obj.dtype, obj.shape, False)
         if isinstance(obj, torch.Tensor):
-            if obj.layout != torch.strided:
-                return None  # sparse and friends: pickled whole, still correct
+            if obj.layout != torch.strided or obj.is_nested or obj.is_quantized or obj.device.type == "meta":
+                return None  # sparse, nested, quantized, meta: pickled whole (their parts come back here)
             if obj.device.type != "cpu":
                 raise _Unsupported(obj, f"a {obj.device.type} tensor cannot be written to shared memory; "
                                         "return CPU tensors from workers")
@@ -684,6 +690,10 @@ def _settle_sources(segment: _ring.Segment, leaves: list) -> list:
     return settled
 
 
+_TENSOR_KINDS = frozenset({"t", "v", "w", "e"})  # the leaves that are tensors of a dtype
+_NOT_PLAIN_DTYPES = frozenset({torch.quint8, torch.qint8, torch.qint32, torch.quint4x2, torch.quint2x4})
+
+
 class _SlotUnpickler(pickle.Unpickler):
     def __init__(self, descriptor: bytes, lease: _ring.SlotLease, payload_end: int):
         super().__init__(io.BytesIO(descriptor))
@@ -709,6 +719,12 @@ class _SlotUnpickler(pickle.Unpickler):
 
     def _load(self, pid):
         kind = pid[0]
+        if kind in _TENSOR_KINDS:
+            dtype = pid[1] if kind == "e" else pid[2]
+            if type(dtype) is not torch.dtype or dtype in _NOT_PLAIN_DTYPES:
+                # torch.frombuffer of a quantized dtype crashes the process: a corrupt slot only
+                raise SlotProtocolError(f"a {kind!r} leaf of dtype {dtype!r} in a slot descriptor "
+                                        "(quantized tensors travel pickled whole)")
         if kind == "t":
             _, offset, dtype, shape, requires_grad = pid
             count = math.prod(shape)

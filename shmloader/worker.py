@@ -135,7 +135,7 @@ def first_slot_guess(samples) -> int:
     nbytes = arrays = 0
     for sample in samples:
         for _, leaf in layout.iter_leaves(sample):
-            if type(leaf) is np.ndarray or type(leaf) is torch.Tensor:
+            if type(leaf) is np.ndarray or (type(leaf) is torch.Tensor and layout.is_plain_strided(leaf)):
                 nbytes += leaf.nbytes
                 arrays += 1
     if nbytes < GUESS_MIN_BYTES:

@@ -22,7 +22,7 @@ import gc
 import numpy as np
 import pytest
 import torch
-from torch.utils.data import Dataset
+from torch.utils.data import DataLoader, Dataset
 
 from shmloader import LayoutError, ShmDataLoader
 
@@ -529,3 +529,79 @@ def test_every_kind_without_batching():
     array is not numpy's own ndarray type, so it stays as it is)."""
     want = loaders_agree(Made(unbatched), batch_size=None)
     assert type(want[0]["masked"]) is np.ma.MaskedArray and type(want[0]["sliced"]) is torch.Tensor
+
+
+# -- sparse, nested, quantized and meta tensors: pickled whole ----------------------------------------
+
+
+def sparse_coo(i):
+    return (torch.eye(4) * (i + 1)).to_sparse()
+
+
+def nested_strided(i):
+    return torch.nested.nested_tensor([torch.full((2, 3), float(i)), torch.arange(12.0).reshape(4, 3)])
+
+
+def on_meta(i):
+    return torch.empty(3, 4 + i % 2, device="meta")
+
+
+def quantized(i):
+    return torch.quantize_per_tensor(torch.arange(12.0).reshape(3, 4) + i, 0.5, 3, torch.quint8)
+
+
+def _described(obj):
+    """A comparable image of a batch of sparse, nested, quantized or meta tensors."""
+    if isinstance(obj, (list, tuple)):
+        return [_described(x) for x in obj]
+    assert isinstance(obj, torch.Tensor), type(obj)
+    image = [type(obj), obj.layout, obj.device.type, obj.dtype, obj.is_nested, obj.is_quantized]
+    if obj.is_nested:
+        return image + [[(tuple(t.shape), t.tolist()) for t in obj.unbind()]]
+    image.append(tuple(obj.shape))
+    if obj.device.type == "meta":
+        return image
+    if obj.is_quantized:
+        return image + [obj.int_repr().tolist(), obj.q_scale(), obj.q_zero_point()]
+    return image + [obj.to_dense().tolist()]
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")  # nested tensors are a prototype
+@pytest.mark.parametrize("collate_fn", [None, as_list, stacked], ids=["default", "list", "stack"])
+@pytest.mark.parametrize("make", [sparse_coo, nested_strided, on_meta])
+def test_sparse_nested_and_meta_tensors_as_torch_delivers_them(make, collate_fn):
+    """Delivered as torch delivers them where torch can, failing as torch fails where it cannot
+    (a sparse tensor's nbytes sized a custom collate's first slot; a nested one was asked for
+    its storage; a meta one was refused)."""
+    kwargs = {"batch_size": 2, "num_workers": 2, "collate_fn": collate_fn}
+    shm, ref = both(Made(make), **kwargs)
+    try:
+        want = [_described(batch) for batch in ref]
+    except Exception as exc:
+        got = first_error(shm)
+        assert isinstance(got, type(exc)), f"{type(got).__name__}: {got} is not torch's {type(exc).__name__}"
+        return
+    assert [_described(batch) for batch in shm] == want
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")  # quantized tensors are deprecated
+@pytest.mark.parametrize("collate_fn", [as_list, stacked], ids=["list", "stack"])
+def test_quantized_tensors_from_a_collate_fn_are_delivered_pickled_whole(collate_fn):
+    """torch's workers cannot send a quantized tensor: what they deliver raises an internal
+    assertion when used ("cannot call qscheme on UnknownQuantizer").  shmloader's delivered it
+    as a raw byte view that crashed the training process.  It is pickled whole now: its
+    integers, scale and zero point as made."""
+    with pytest.raises(RuntimeError, match="Quantizer"):
+        [_described(batch) for batch in DataLoader(Made(quantized), batch_size=2, num_workers=2, collate_fn=collate_fn)]
+    got = list(ShmDataLoader(Made(quantized), batch_size=2, num_workers=2, collate_fn=collate_fn))
+    want = [collate_fn([quantized(2 * b), quantized(2 * b + 1)]) for b in range(2)]
+    assert [_described(batch) for batch in got] == [_described(batch) for batch in want]
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_quantized_tensors_with_the_default_collate_fail_as_torch_does():
+    """Both fail to stack them in the worker, each at its own internal check: a RuntimeError."""
+    shm, ref = both(Made(quantized), batch_size=2, num_workers=2)
+    want, got = first_error(ref), first_error(shm)
+    assert type(want) is RuntimeError and type(got) is RuntimeError, (want, got)
+    assert "while collating the batch" in str(got)

@@ -179,3 +179,31 @@ def test_main_refuses_a_leaf_past_the_payload(ready_slot):
     with pytest.raises(SlotProtocolError, match="lies outside the slot's payload"):
         # The int64[10] leaf is the payload's first 80 bytes: end the payload 8 bytes short of it.
         layout.read_batch(lease, descriptor, layout.HEADER_BYTES + 72)
+
+
+@pytest.mark.parametrize("kind", ["t", "v", "w", "e"])
+def test_main_refuses_a_tensor_leaf_of_a_quantized_dtype(ready_slot, kind):
+    """torch.frombuffer of a quantized dtype crashes the process (a segmentation fault): a
+    descriptor that asks for one is refused, whatever its leaf kind."""
+    import pickle
+
+    import torch
+
+    ring, slot, _ = ready_slot
+    lease, _, end = ring.lease(slot, 0, ring.release_callback())
+    storage = ("s", layout.HEADER_BYTES, None, 80)
+    pid = {"t": ("t", layout.HEADER_BYTES, torch.quint8, (10,), False),
+           "v": ("v", layout.HEADER_BYTES, torch.qint8, (5,), False, (2,), 9),
+           "w": ("w", storage, torch.qint32, (2,), (1,), 0, False),
+           "e": ("e", torch.quint8, (0,), (1,), False)}[kind]
+
+    class Forger(pickle.Pickler):
+        def persistent_id(self, obj):
+            return pid if obj == "leaf" else None
+
+    import io
+
+    forged = io.BytesIO()
+    Forger(forged, protocol=pickle.DEFAULT_PROTOCOL).dump({"x": "leaf"})
+    with pytest.raises(SlotProtocolError, match="quantized"):
+        layout.read_batch(lease, forged.getvalue(), end)
