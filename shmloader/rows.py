@@ -232,6 +232,8 @@ def _learn_tree(obj, path: str, found: list) -> tuple:
     """The structure node of `obj` (the paths as layout.iter_leaves writes them); supported
     leaves are appended to `found`."""
     kind = type(obj)
+    if kind is np.memmap:  # torch's default_collate takes a memmap as the ndarray it is
+        obj, kind = obj.view(np.ndarray), np.ndarray
     if isinstance(obj, Mapping):
         if kind not in (dict, collections.OrderedDict):
             raise RowsUnsupportedError(
@@ -313,7 +315,7 @@ def _gather(node, obj, path: str, row: int, out: list) -> None:
     """Check `obj` against `node` and append its leaves to `out` in the schema's order."""
     tag = node[0]
     if tag == "leaf":
-        out.append(obj)
+        out.append(obj.view(np.ndarray) if type(obj) is np.memmap else obj)  # as _learn_tree
         return
     kind = node[1]
     if tag == "map":

@@ -92,6 +92,37 @@ def test_same_batches_as_torch_and_the_default_mode(kind, num_workers):
     assert_same_batches(default, want)
 
 
+class MemoryMapped(Dataset):
+    """Rows of an array on disk: np.memmap samples, and np.load(mmap_mode="r") ones (read-only),
+    in a dict with a label, as memory-mapped datasets return them."""
+
+    def __init__(self, folder, n=17):
+        table = np.arange(n * 6 * 16, dtype=np.float32).reshape(n, 6, 16)
+        np.save(os.path.join(folder, "table.npy"), table)
+        self.path, self.n = os.path.join(folder, "table.npy"), n
+        self.table = None
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        if self.table is None:  # opened in each worker
+            self.table = np.load(self.path, mmap_mode="r")
+        raw = np.memmap(self.path, dtype=np.float32, mode="r", offset=128 + i * 6 * 16 * 4, shape=(6, 16))
+        return {"row": self.table[i], "raw": raw, "label": i}
+
+
+def test_memory_mapped_samples_as_torch_collates_them(tmp_path):
+    """torch's default_collate takes np.memmap rows (np.load(mmap_mode=...) included) as the
+    arrays they are; the mode refused them as an ndarray subclass."""
+    dataset = MemoryMapped(str(tmp_path))
+    assert type(dataset[3]["raw"]) is np.memmap and type(dataset[3]["row"]) is np.memmap
+    want, default, got = _three(dataset, batch_size=5, num_workers=2)
+    assert_same_batches(got, want)
+    assert_same_batches(default, want)
+    assert float(got[1]["raw"][2, 5, 7]) == float(np.load(dataset.path)[7, 5, 7])
+
+
 @pytest.mark.parametrize("drop_last", [False, True])
 def test_shuffle_with_generator_and_drop_last(drop_last):
     want, default, got = _three(Arrays(23, "dict"), seed=7, batch_size=4, num_workers=2, shuffle=True,
