@@ -694,11 +694,30 @@ _TENSOR_KINDS = frozenset({"t", "v", "w", "e"})  # the leaves that are tensors o
 _NOT_PLAIN_DTYPES = frozenset({torch.quint8, torch.qint8, torch.qint32, torch.quint4x2, torch.quint2x4})
 
 
+# NOTE [ Small leaves are copies ]
+#   A leaf delivered as a view keeps its whole slot: held past the ring, the slot is detached and
+#   its segment lives, whole, as long as any view of it (NOTE [ Held batches ] in ring.py).  A
+#   loop that keeps a small part of every batch (labels.append(batch["y"]), indices, scores)
+#   would keep every slot: 100 batches of 2 MiB images held 200 MiB of /dev/shm for 6 KiB of
+#   labels, where torch's leaves each have a segment of their own.  So a leaf of at most
+#   SMALL_LEAF_BYTES and at most 1/SMALL_LEAF_SHARE of its slot is read out of the slot as a copy
+#   (microseconds), and never holds one; bigger leaves are zero-copy views.  Not under
+#   pin_memory, whose leaves must stay page-locked: there a held leaf keeps its slot.
+SMALL_LEAF_BYTES = 64 * 1024
+SMALL_LEAF_SHARE = 16
+
+
+def small_leaf_limit(slot_bytes: int) -> int:
+    """The largest leaf of a slot of `slot_bytes` that is delivered as a copy (NOTE above)."""
+    return min(SMALL_LEAF_BYTES, slot_bytes // SMALL_LEAF_SHARE)
+
+
 class _SlotUnpickler(pickle.Unpickler):
-    def __init__(self, descriptor: bytes, lease: _ring.SlotLease, payload_end: int):
+    def __init__(self, descriptor: bytes, lease: _ring.SlotLease, payload_end: int, copy_upto: int = 0):
         super().__init__(io.BytesIO(descriptor))
         self.lease = lease
         self.payload_end = payload_end
+        self.copy_upto = copy_upto  # NOTE [ Small leaves are copies ]
         self.loaded: dict[int, tuple[object, object]] = {}  # id(pid) -> (pid, the leaf)
 
     def persistent_load(self, pid):
@@ -733,6 +752,8 @@ class _SlotUnpickler(pickle.Unpickler):
                 view = torch.empty(shape, dtype=dtype)
             else:
                 view = torch.frombuffer(self.lease, dtype=dtype, count=count, offset=start).view(shape)
+                if count * dtype.itemsize <= self.copy_upto:
+                    view = view.clone()
             if requires_grad:
                 view.requires_grad_(True)
             return view
@@ -745,6 +766,8 @@ class _SlotUnpickler(pickle.Unpickler):
             if count == 0:  # the strides numpy's unpickling gives an empty array (C order)
                 return np.ndarray(shape, dtype=dtype, buffer=bytearray())
             flat = np.frombuffer(self.lease, dtype=dtype, count=count, offset=start)
+            if count * dtype.itemsize <= self.copy_upto:
+                flat = flat.copy()
             return flat.reshape(shape, order=order)
         if kind == "v":
             _, offset, dtype, shape, requires_grad, stride, extent = pid
@@ -753,6 +776,8 @@ class _SlotUnpickler(pickle.Unpickler):
                 raise SlotProtocolError(f"a strided leaf of shape {list(shape)}, strides {list(stride)} "
                                         f"does not fit its {extent} elements")
             span = torch.frombuffer(self.lease, dtype=dtype, count=extent, offset=start)
+            if extent * dtype.itemsize <= self.copy_upto:
+                span = span.clone()
             view = span.as_strided(shape, stride)
             if requires_grad:
                 view.requires_grad_(True)
@@ -783,7 +808,8 @@ class _SlotUnpickler(pickle.Unpickler):
             if nbytes == 0:
                 untyped = torch.UntypedStorage(0)
             else:
-                untyped = torch.frombuffer(self.lease, dtype=torch.uint8, count=nbytes, offset=start).untyped_storage()
+                span = torch.frombuffer(self.lease, dtype=torch.uint8, count=nbytes, offset=start)
+                untyped = (span.clone() if nbytes <= self.copy_upto else span).untyped_storage()
             if dtype is None:
                 return untyped
             return torch.storage.TypedStorage(wrap_storage=untyped, dtype=dtype, _internal=True)
@@ -796,8 +822,9 @@ class _SlotUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"unknown leaf kind {kind!r} in a slot descriptor")
 
 
-def read_batch(lease: _ring.SlotLease, descriptor: bytes, payload_end: int):
-    """Rebuild the batch from its descriptor, every array leaf a view that keeps `lease` alive."""
-    batch = _SlotUnpickler(descriptor, lease, payload_end).load()
+def read_batch(lease: _ring.SlotLease, descriptor: bytes, payload_end: int, copy_upto: int = 0):
+    """Rebuild the batch from its descriptor, every array leaf a view that keeps `lease` alive,
+    but those of at most `copy_upto` bytes, copies (NOTE [ Small leaves are copies ])."""
+    batch = _SlotUnpickler(descriptor, lease, payload_end, copy_upto).load()
     torch_private.validate_loaded_sparse_tensors()
     return batch

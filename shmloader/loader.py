@@ -43,7 +43,7 @@ from typing import TypeVar
 import torch
 from torch.utils.data import DataLoader, default_collate, default_convert
 
-from . import diagnosis, epochs, state, torch_private
+from . import diagnosis, epochs, layout, state, torch_private
 from .errors import (
     LoaderBrokenError,
     LoaderTimeoutError,
@@ -237,13 +237,19 @@ class _Failure:
     def __init__(self, worker_id: int, pid: int | None, idx: int | None, stage: str, payload: tuple):
         self.worker_id, self.pid, self.idx, self.stage, self.payload = worker_id, pid, idx, stage, payload
 
-    def reraise(self):
+    @property
+    def type_name(self) -> str:
+        return self.payload[1].rsplit(".", 1)[-1]
+
+    def reraise(self, note: str = ""):
+        """Raise the worker's exception, `note` added to its message."""
         blob, type_name, message, text = self.payload
         where = f"in DataLoader worker {self.worker_id} (pid {self.pid}) while {self.stage}"
         if self.idx is not None:
             where += f" for batch {self.idx}"
         else:  # outside any task: the worker has exited
             where += "; the worker exited and the loader has been shut down"
+        text += note
         original = None
         if blob is not None:
             try:
@@ -291,6 +297,19 @@ class _PoolIter(torch_private.BaseDataLoaderIter):
         self._epoch = 0
         self._loader_ref = weakref.ref(loader)
         self._owner_pid = os.getpid()  # NOTE [ A process forked by the user ]
+
+    def _failure_note(self, failure: _Failure) -> str:
+        """What a worker's error may owe to the training loop: /dev/shm full while the loop holds
+        batches (or parts of them) past the ring, each keeping its whole slot."""
+        if failure.type_name != "ShmCapacityError" or self._scheduler is None:
+            return ""
+        stats = self._scheduler.ring.stats()
+        if not stats.held_segments:
+            return ""
+        return (f"\nMeanwhile the training loop holds {stats.held_segments} batches past the ring, "
+                f"{stats.held_bytes / 2**20:.1f} MiB of shared memory: a batch, or any tensor or array "
+                f"taken from it larger than {layout.SMALL_LEAF_BYTES // 1024} KiB, keeps its batch's whole "
+                "slot. Drop what you no longer need, or keep a .clone() / .copy() of the parts you keep.")
 
     # The parts, by the names tests and tools know them by.
     @property
@@ -610,7 +629,7 @@ class _ShmLoaderIter(_PoolIter):
             raise
         self._clock.end(start)
         if isinstance(data, _Failure):
-            data.reraise()  # the worker's own exception: the epoch goes on, as in torch
+            data.reraise(self._failure_note(data))  # the worker's own exception: the epoch goes on, as in torch
         return data
 
     def _next_data_inner(self):

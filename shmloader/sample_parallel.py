@@ -546,7 +546,7 @@ class SampleParallelIter(_PoolIter):
             self._batches += 1
             return batch.data
         try:
-            batch.failure.reraise()
+            batch.failure.reraise(self._failure_note(batch.failure))
         except BaseException as exc:
             if batch.fatal:  # no schema can be learnt: every batch would fail
                 self._break(exc)

@@ -144,8 +144,10 @@ class SlotScheduler:
             private = bytearray(memoryview(lease)[:payload_end])
             for offset, data in restore:
                 private[offset:offset + len(data)] = data
-            lease = private
-        return layout.read_batch(lease, descriptor, payload_end)
+            return layout.read_batch(private, descriptor, payload_end)
+        # small leaves as copies, that hold no slot; not pinned ones (NOTE in layout.py)
+        copy_upto = layout.small_leaf_limit(self.ring.segment(slot).size) if self._pinner is None else 0
+        return layout.read_batch(lease, descriptor, payload_end, copy_upto)
 
     def fds_for(self, worker_id: int, slot: int) -> tuple[int, ...]:
         """The slot's fd if `worker_id` does not map its current generation yet (it will, once

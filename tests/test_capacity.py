@@ -17,7 +17,10 @@ import shutil
 import subprocess
 import sys
 
+import numpy as np
 import pytest
+import torch
+from torch.utils.data import Dataset
 
 import shmloader.segment as ring_module
 from shmloader import ShmCapacityError, ShmDataLoader
@@ -154,3 +157,43 @@ def test_small_tmpfs_slot_growth_fails_cleanly():
     assert r["needed"] > 40 * MiB and r["free"] < SMALL_SHM
     assert "writing the batch into its slot" in r["message"]
     _assert_actionable(r["message"], r["needed"], r["free"])
+
+
+@pytest.mark.timeout(60)
+def test_a_full_dev_shm_while_the_loop_holds_batches_says_so(small_free):
+    """The worker's ShmCapacityError advises fewer workers or smaller slots; when the training
+    loop holds batches past the ring, that is the likelier cause, and the message says so."""
+    loader = ShmDataLoader(Sized(256 * 1024, big=12 * MiB, big_at=14), batch_size=1, num_workers=2,
+                           collate_fn=_first, slot_bytes=MiB, multiprocessing_context="fork")
+    kept = []
+    with pytest.raises(ShmCapacityError) as info:
+        for batch in loader:
+            kept.append(batch)  # 256 KiB leaves: views, each keeping its slot
+    assert len(kept) == 14
+    message = str(info.value)
+    assert "the training loop holds" in message and "keeps its batch's whole slot" in message, message
+    _assert_actionable(message, info.value.needed, info.value.free)
+    del kept
+
+
+def test_small_parts_of_batches_held_by_the_loop_hold_no_slot():
+    """labels.append(batch["y"]): small leaves are copies (NOTE [ Small leaves are copies ] in
+    layout.py), so keeping them keeps no slot, where each view would keep its batch's slot."""
+    loader = ShmDataLoader(Labelled(), batch_size=8, num_workers=2)
+    labels, images = [], []
+    for i, batch in enumerate(loader):
+        labels.append(batch["y"])
+        if i < 2:
+            images.append(batch["image"])  # 2 MiB a batch: views, each holding its slot
+    assert torch.cat(labels).tolist() == list(range(len(Labelled())))
+    stats = loader.stats()
+    assert stats.detached > 0 and stats.held_segments <= 2, stats
+    assert images[1][3, 0, 0].item() == 11.0
+
+
+class Labelled(Dataset):
+    def __len__(self) -> int:
+        return 30 * 8
+
+    def __getitem__(self, i: int):
+        return {"image": np.full((256, 256), i, np.float32), "y": i}

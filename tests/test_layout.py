@@ -210,9 +210,16 @@ def test_unpicklable_leaf_names_its_path():
         layout.plan_batch(structure)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_non_cpu_tensor_names_its_path():
-    with pytest.raises(LayoutError, match=r"batch\[1\].*meta"):
-        layout.plan_batch([torch.zeros(2), torch.zeros(2, device="meta")])
+    with pytest.raises(LayoutError, match=r"batch\[1\].*cuda"):
+        layout.plan_batch([torch.zeros(2), torch.zeros(2, device="cuda")])
+
+
+def test_meta_tensors_travel_pickled_whole():
+    """A meta tensor has no bytes: it is pickled whole, as torch's workers send it."""
+    plan = layout.plan_batch([torch.zeros(2), torch.zeros(2, device="meta")])
+    assert len(plan.leaves) == 1 and b"meta" in plan.descriptor
 
 
 def test_mismatched_shapes_name_the_path_and_both_shapes():

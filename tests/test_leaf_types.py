@@ -24,7 +24,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from shmloader import LayoutError, ShmDataLoader
+from shmloader import LayoutError, ShmDataLoader, layout
 
 from ._helpers import assert_same, both, in_ring
 
@@ -197,10 +197,17 @@ def test_torchvision_tv_tensors(collate_fn):
         assert type(want[0]) is tv.Image
 
 
+def tagged_big(i):
+    """tagged, of 128 KiB: delivered as a view (a small leaf is a copy)."""
+    tensor = (torch.arange(32768.0) + i).as_subclass(Tagged)
+    tensor.tag = {"sample": i, "source": "disk"}
+    return tensor
+
+
 def test_held_subclass_tensor_keeps_its_slot():
     """A subclass tensor is a view onto its slot (through its storage), holding the slot's lease:
     the slot is not reused while it lives."""
-    loader = ShmDataLoader(Made(tagged, n=40), batch_size=1, num_workers=2, collate_fn=first,
+    loader = ShmDataLoader(Made(tagged_big, n=40), batch_size=1, num_workers=2, collate_fn=first,
                            prefetch_factor=1, max_ring_slots=4)
     it = iter(loader)
     kept = next(it)
@@ -208,7 +215,7 @@ def test_held_subclass_tensor_keeps_its_slot():
     for batch in it:  # 39 more batches through a ring of at most 4 slots
         del batch
     assert type(kept) is Tagged and kept.tag == {"sample": 0, "source": "disk"}
-    assert torch.equal(kept.as_subclass(torch.Tensor), tagged(0).as_subclass(torch.Tensor))
+    assert torch.equal(kept.as_subclass(torch.Tensor), tagged_big(0).as_subclass(torch.Tensor))
     del kept, it
     gc.collect()
 
@@ -237,7 +244,8 @@ def test_masked_arrays(collate_fn):
         assert type(sample["masked"]) is np.ma.MaskedArray and sample["masked"].fill_value == -7.5
 
 
-def test_masked_array_data_and_mask_are_views_onto_the_slot():
+def test_masked_array_data_and_mask_are_views_onto_the_slot(monkeypatch):
+    monkeypatch.setattr(layout, "SMALL_LEAF_BYTES", 0)  # these small leaves would be copies
     loader = ShmDataLoader(Made(masked), batch_size=2, num_workers=2, collate_fn=first)
     it = iter(loader)
     batch = next(it)
@@ -388,7 +396,8 @@ def test_non_contiguous_tensors(collate_fn):
         assert want[0]["transposed"].stride() == (1, 6) and want[0]["expanded"].stride() == (0, 1)
 
 
-def test_strided_tensors_are_views_onto_the_slot():
+def test_strided_tensors_are_views_onto_the_slot(monkeypatch):
+    monkeypatch.setattr(layout, "SMALL_LEAF_BYTES", 0)  # these small leaves would be copies
     loader = ShmDataLoader(Made(strided_tensors), batch_size=2, num_workers=2, collate_fn=first)
     it = iter(loader)
     batch = next(it)

@@ -17,6 +17,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
+import shmloader.layout
 from shmloader import RingFullError, ShmDataLoader
 from shmloader._ring import SlotLease
 
@@ -182,7 +183,8 @@ def test_a_cap_large_enough_lets_a_loop_hold_everything():
 # -- the lease itself ----------------------------------------------------------------------------------
 
 
-def test_any_view_keeps_the_slot_and_the_last_one_frees_it():
+def test_any_view_keeps_the_slot_and_the_last_one_frees_it(monkeypatch):
+    monkeypatch.setattr(shmloader.layout, "SMALL_LEAF_BYTES", 0)  # `nested` would be a copy
     shm = ShmDataLoader(ds.DictDataset(n=24), batch_size=3, num_workers=WORKERS, persistent_workers=True)
     it = iter(shm)
     batch = next(it)
@@ -253,7 +255,8 @@ def test_batches_outlive_the_loader():
 
 @pytest.mark.parametrize("collate_fn", [None, ds.numpy_collate, ds.mixed_collate],
                          ids=["default", "numpy", "mixed"])
-def test_delivered_leaves_lie_inside_ring_slots(collate_fn):
+def test_delivered_leaves_lie_inside_ring_slots(collate_fn, monkeypatch):
+    monkeypatch.setattr(shmloader.layout, "SMALL_LEAF_BYTES", 0)  # these leaves are small: copies
     shm = ShmDataLoader(ds.DictDataset(n=16), batch_size=4, num_workers=WORKERS, collate_fn=collate_fn)
     it = iter(shm)
     count = 0
