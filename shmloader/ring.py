@@ -27,7 +27,9 @@ NOTE [ Held batches ]
   are told to forget it, see scheduler.py), so the ring is back at its working size by itself:
   nothing waits, no garbage collection is forced, and the memory is what the user holds plus the
   batches in flight, as with torch.  Only a cap the user asks for (`max_slots`, `max_bytes`)
-  stops it; then RingFullError says which.
+  stops it; then RingFullError says which.  What the user holds is counted in whole slots, where
+  torch counts each leaf's own segment: so small leaves are delivered as copies that hold no
+  slot (NOTE [ Small leaves are copies ] in layout.py), and a kept label tensor costs its bytes.
 
 NOTE [ Ring size ]
   depth = num_workers × prefetch_factor (batches in flight, as torch counts them) + CONSUMER_SLOTS
