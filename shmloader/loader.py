@@ -635,7 +635,7 @@ class _ShmLoaderIter(_PoolIter):
     def _next_data_inner(self):
         self._read_ahead()
         with self._scheduler.deferring(self._loop_has_next(2)):  # NOTE [ Slots the loop gives back ]
-            self._scheduler.replenish()
+            self._scheduler.replenish(self._workers_ahead())
         while True:
             while self._rcvd_idx < self._send_idx:
                 info = self._task_info.get(self._rcvd_idx)
@@ -682,6 +682,15 @@ class _ShmLoaderIter(_PoolIter):
         self._resumable.on_delivered(self._rcvd_idx - 1, worker_id, not isinstance(data, _Failure))
         return data
 
+    def _workers_ahead(self) -> frozenset[int] | set[int]:
+        """The workers with a finished batch waiting for the loop, for large slots in order
+        (NOTE [ Slots the loop gives back ] in scheduler.py)."""
+        if not self._in_order or not self._scheduler.large_slots:
+            return frozenset()
+        ahead = {info[0] for info in self._task_info.values() if len(info) == 2}
+        ahead.update(event[1] for event in self._events)
+        return ahead
+
     def _loop_has_next(self, count: int) -> bool:
         """Whether the next `count` batches in order are here already, so that the training
         loop will not wait for a batch before its next-but-`count` next() (in order only)."""
@@ -706,7 +715,7 @@ class _ShmLoaderIter(_PoolIter):
         channel_of, sentinel_of = self._pool.channel_of, self._pool.sentinel_of
         scheduler = self._scheduler
         while True:
-            scheduler.replenish()
+            scheduler.replenish(self._workers_ahead())
             if until is not None and until():  # it may hold already (Resumed read ahead)
                 return None
             scheduler.check_not_starved()

@@ -51,6 +51,15 @@ NOTE [ Slots the loop gives back ]
   main process's spare thread: about 45 ms of the training process's CPU per 256 MiB.  At the
   next call that slot is back, and the worker gets it.  The worker waits one loop step at most,
   and only if it needs its slot before then (it fetches its samples first).
+
+  When the loop is about to wait, grants are made as usual, but not a new segment for a worker
+  that is ahead: a finished batch of its own is already here, waiting behind the batch the loop
+  waits for (`replenish(patient)`).  Its next batch comes after that one in order, so the loop
+  never waits on it for this: it gets the slot the loop gives back once the awaited batch is in
+  (the loop drops one at each next()).  The worker the loop waits for is never patient (a
+  worker's batches come in order, so it has none queued).  Without this, a worker running ahead
+  of the other by a few samples made a slot more than is in flight: 4 slots where 3 do, 256 MiB
+  more for batches of 256 MiB.
 """
 
 from __future__ import annotations
@@ -103,6 +112,7 @@ class SlotScheduler:
         self._owed: dict[tuple[int, int], int] = {}  # (epoch, idx) -> worker, in send order
         self._defer_new_segments = False  # NOTE [ Slots the loop gives back ]
         self._deferral = _Deferral(self)
+        self._patient: frozenset[int] | set[int] = frozenset()  # during replenish(patient)
         self.in_place_bytes = 0  # array bytes workers did not copy (NOTE in worker.py)
 
     # -- what the iterator tells it --------------------------------------------------------------
@@ -179,6 +189,8 @@ class SlotScheduler:
             if ahead:
                 if not ring.has_free_created_slot() or (ring.slot_bytes or 0) > AHEAD_MAX_SLOT_BYTES:
                     continue
+            elif worker_id in self._patient and self.large_slots and not ring.has_free_created_slot():
+                continue  # it waits for a slot the loop gives back (NOTE [ Slots the loop gives back ])
             elif not self._slot_available():
                 break
             elif ring.should_wait_for_spare():  # NOTE [ Spare segments ] in spares.py
@@ -231,13 +243,24 @@ class SlotScheduler:
             return False  # the loop gives one back before it waits (NOTE [ Slots the loop ... ])
         return ring.has_free_slot() or ring.can_take()
 
-    def replenish(self) -> None:
-        """Take back released slots and grant them to workers that have work."""
+    def replenish(self, patient: frozenset[int] | set[int] = frozenset()) -> None:
+        """Take back released slots and grant them to workers that have work; the `patient`
+        ones (a finished batch of theirs waits for the loop) get no new large segment
+        (NOTE [ Slots the loop gives back ])."""
         if self._pinner is not None:
             self._pinner.pump()  # NOTE [ Release fence ] in cuda.py
         self.ring.collect_released()
         self.ring.drain_spare_wakeups()
-        self.grant_in_order()
+        self._patient = patient
+        try:
+            self.grant_in_order()
+        finally:
+            self._patient = frozenset()
+
+    @property
+    def large_slots(self) -> bool:
+        """Whether a slot is worth a worker's wait (NOTE [ Slots the loop gives back ])."""
+        return (self.ring.slot_bytes or 0) > AHEAD_MAX_SLOT_BYTES
 
     def check_not_starved(self) -> None:
         """Raise RingFullError if no worker with work can ever get a slot: every one that owes a

@@ -206,3 +206,37 @@ def test_while_deferring_a_grant_waits_for_the_slot_the_loop_holds(monkeypatch, 
         del held
     finally:
         scheduler.close()
+
+
+
+@pytest.mark.parametrize("ahead", [True, False])
+def test_a_worker_ahead_waits_for_the_slot_the_loop_gives_back(monkeypatch, ahead):
+    """NOTE [ Slots the loop gives back ]: a worker with a finished batch waiting for the loop
+    (`patient`) gets no new large segment while none is free, even when the main process is
+    about to wait, and then the slot the loop gives back; a worker not ahead gets a new one."""
+    from shmloader import scheduler as scheduler_module
+
+    monkeypatch.setattr(scheduler_module, "AHEAD_MAX_SLOT_BYTES", 0)  # every slot counts as large
+    workers = Workers(1)
+    scheduler = scheduler_for(workers, prefetch_factor=2)
+    try:
+        scheduler.task_sent(0, 0, 0)
+        held = workers.write(scheduler, 0, workers.grants(0)[-1], 0, 0, 1.0)  # in the loop's hand
+        scheduler.task_sent(0, 1, 0)
+        queued = workers.write(scheduler, 0, workers.grants(0)[-1], 0, 1, 2.0)  # waits for the loop
+        with scheduler.deferring(True):
+            scheduler.task_sent(0, 2, 0)  # owed, not granted yet
+        assert len(workers.grants(0)) == 2
+        scheduler.replenish(patient={0} if ahead else frozenset())  # the main process is about to wait
+        grants = workers.grants(0)
+        if not ahead:
+            assert len(grants) == 3 and grants[-1].capacity == 0  # a new segment at once
+            return
+        assert len(grants) == 2  # none free: it waits
+        del held  # the loop gives batch 0's slot back
+        scheduler.replenish(patient={0})
+        grants = workers.grants(0)
+        assert len(grants) == 3 and grants[-1].slot == grants[0].slot and grants[-1].capacity > 0
+        del queued
+    finally:
+        scheduler.close()
