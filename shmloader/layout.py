@@ -180,8 +180,8 @@ def _all_taken_as_is(batch, dtype: np.dtype) -> bool:
     are checked once per distinct strides (samples of a batch mostly share theirs)."""
     checked = set()
     for array in batch:
-        if array.dtype != dtype:
-            return False
+        if not isinstance(array, np.ndarray) or array.dtype != dtype:
+            return False  # (a list or a number among arrays: torch.as_tensor of each, as torch does)
         strides = array.strides
         if strides not in checked:
             if not _torch_takes_as_is(array):

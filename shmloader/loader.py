@@ -204,6 +204,14 @@ class ShmDataLoader(DataLoader[_T_co]):
         self._last_iterator = weakref.ref(iterator)
         return iterator
 
+    def __getstate__(self) -> dict:
+        """What pickle and copy.deepcopy take: everything torch's loader has, but not the weak
+        link to this loader's latest iterator (unpicklable) nor its figures: a copy has no
+        iterator yet, and stats() is None until it has one."""
+        fields = self.__dict__.copy()
+        fields["_last_iterator"] = fields["_final_stats"] = None
+        return fields
+
     def state_dict(self) -> dict:
         """Where the loader is in its epoch, to resume there later with load_state_dict(), in this
         process or another (torchdata's StatefulDataLoader contract; NOTE [ Resuming mid-epoch ]

@@ -470,3 +470,55 @@ def test_invalid_shm_arguments_name_the_value(kwargs):
     (key, value), = kwargs.items()
     with pytest.raises(ValueError, match=key):
         ShmDataLoader(ds.DictDataset(n=4), num_workers=2, **kwargs)
+
+
+# -- pickling and copying the loader -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_loader_pickles_and_deep_copies_after_an_epoch_as_torchs_does(num_workers):
+    """torch's DataLoader pickles after iterating (torch.save(loader), a spawn child's args);
+    shmloader's kept a weak reference to its last iterator, which pickle refuses.  A copy
+    iterates the same batches, and has no iterator of its own until it is iterated."""
+    import pickle
+
+    shm, ref = both(ds.DictDataset(n=12), seed=3, batch_size=4, shuffle=True, num_workers=num_workers)
+    assert_same_batches(collect(shm), collect(ref))
+    clones = [pickle.loads(pickle.dumps(shm)), copy.deepcopy(shm)]
+    pickle.loads(pickle.dumps(ref))  # torch's, as a user does
+    want = collect(ref)  # epoch 2: each copy carries the generator's state after epoch 1
+    for clone in clones:
+        assert type(clone) is ShmDataLoader and clone.stats() is None
+        assert_same_batches(collect(clone), want)
+
+
+class _ArrayThenOther(torch.utils.data.Dataset):
+    """{"a": float32[3]}, but index 6's "a" is `other` (a list, None, an int, a str)."""
+
+    def __init__(self, other):
+        self.other = other
+
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, i):
+        return {"a": self.other if i == 6 else np.arange(3, dtype=np.float32) + i}
+
+
+def test_an_array_leaf_that_is_a_list_in_a_later_sample_collates_as_torchs():
+    """torch's default_collate converts each array of a leaf with torch.as_tensor, a list among
+    them too; shmloader's stacking asked the list for its dtype (AttributeError)."""
+    shm, ref = both(_ArrayThenOther([0.0, 1.0, 2.0]), batch_size=4, num_workers=2)
+    assert_same_batches(collect(shm), collect(ref))
+
+
+@pytest.mark.parametrize("other", [None, 5, "abc"], ids=["none", "int", "str"])
+def test_an_array_leaf_that_is_not_an_array_in_a_later_sample_fails_as_torchs(other):
+    shm, ref = both(_ArrayThenOther(other), batch_size=4, num_workers=2)
+    errors = []
+    for loader in (ref, shm):
+        with pytest.raises(Exception) as info:
+            collect(loader)
+        errors.append(info.value)
+    want, got = errors
+    assert isinstance(got, type(want)), f"{type(got).__name__}: {got} is not torch's {type(want).__name__}: {want}"
