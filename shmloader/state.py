@@ -192,7 +192,8 @@ def _sampler_generators(loader) -> list[torch.Generator]:
 
 def _capture_rng(loader) -> dict:
     return {
-        "loader": loader.generator.get_state() if loader.generator is not None else None,
+        # not a Generator: torch's iterator raises its TypeError right after (random_(generator=))
+        "loader": loader.generator.get_state() if isinstance(loader.generator, torch.Generator) else None,
         "samplers": [g.get_state() for g in _sampler_generators(loader)],
         "global": torch.get_rng_state(),
     }

@@ -204,6 +204,19 @@ def test_timeout_is_not_raised_when_batches_arrive_in_time():
     assert len(collect(shm)) == 6
 
 
+@pytest.mark.parametrize("num_workers", [0, 2])
+@pytest.mark.parametrize("shuffle", [False, True])
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # torch's __del__
+def test_a_generator_that_is_not_one_raises_torchs_type_error(num_workers, shuffle):
+    raised = []
+    for cls in (ShmDataLoader, DataLoader):
+        with pytest.raises(Exception) as info:  # iter() raises, under torch
+            iter(cls(list(range(8)), batch_size=2, num_workers=num_workers, shuffle=shuffle, generator=5))
+        raised.append(info.value)
+    assert type(raised[0]) is type(raised[1]) is TypeError
+    assert "generator" in str(raised[0])
+
+
 # -- leaves that cannot travel ---------------------------------------------------------------------------
 
 
