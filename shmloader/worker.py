@@ -27,7 +27,6 @@ import os
 import pickle
 import random
 import select
-import signal
 import threading
 import time
 import traceback
@@ -246,7 +245,6 @@ def worker_main(spec: WorkerSpec, sock) -> None:
     """Entry point of a worker process (any start method)."""
     if spec.forked:
         close_parent_only_in_child()
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the main process's to handle
     heap.keep_freed_memory()
     try:
         faulthandler.enable()  # until the crash log arrives (_start)
@@ -265,7 +263,11 @@ def worker_main(spec: WorkerSpec, sock) -> None:
             channel.send(Fatal(worker.stage, exception_payload(exc)))
         except OSError:
             pass
-        raise
+        if not isinstance(exc, KeyboardInterrupt):
+            raise
+        # Ctrl-C (SIGINT to the terminal's process group) ends a worker as it ends torch's: in the
+        # dataset's code, so that what that code started is stopped too (subprocess.run kills its
+        # child); quietly, since the training process got its own KeyboardInterrupt.
     finally:
         channel.close()
 

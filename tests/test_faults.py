@@ -14,6 +14,8 @@ import gc
 import multiprocessing
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -23,6 +25,8 @@ from shmloader import LoaderTimeoutError, WorkerDiedError
 from shmloader.errors import RemoteTraceback
 from tests import _faulty
 from tests.conftest import pid_gone, wait_until
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 pytestmark = pytest.mark.usefixtures("no_leaks")
 
@@ -201,6 +205,42 @@ def test_ctrl_c_while_waiting_on_a_hung_worker(where, tmp_path, request):
     assert iterator._shutdown and iterator._ring.closed
     _check_gone(pids)
     del iterator
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("start_method", ["fork", "forkserver"])
+@pytest.mark.parametrize("cls", ["torch", "shmloader"])
+def test_ctrl_c_in_a_terminal_leaves_no_program_the_dataset_started(cls, start_method, tmp_path):
+    """Ctrl-C reaches the whole process group: the workers stop as torch's do, inside the
+    dataset's code, so the programs it started (here `sleep 60`) end with them, and nothing is
+    left running under init (an ignored SIGINT would be inherited by those programs)."""
+    script = os.path.join(os.path.dirname(__file__), "_ctrl_c_script.py")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")])))
+    proc = subprocess.Popen([sys.executable, script, cls, str(tmp_path), start_method], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    started = []
+    try:
+        assert wait_until(lambda: len(os.listdir(tmp_path)) >= 2, 30.0), "the workers ran no program"
+        time.sleep(0.5)
+        os.killpg(proc.pid, signal.SIGINT)
+        _out, err = proc.communicate(timeout=30)
+        assert proc.returncode != 0 and "KeyboardInterrupt" in err, err[-3000:]
+        time.sleep(1.0)  # a worker that went on would have started the next sample's program by now
+        started = [int(name) for name in os.listdir(tmp_path)]
+        wait_until(lambda: all(pid_gone(pid) for pid in started), 10.0)
+        left = [pid for pid in started if not pid_gone(pid)]
+        assert not left, f"programs the dataset started still run after Ctrl-C: {left} of {started}"
+        assert err.count("Traceback") == 1, err[-3000:]  # the training process's, not the workers'
+    finally:
+        for pid in [int(name) for name in os.listdir(tmp_path)]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
 
 
 @pytest.mark.timeout(60)
