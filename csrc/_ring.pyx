@@ -22,7 +22,8 @@ from ring cimport (
     PyDataMem_SetHandler, SHM_ARENA_ALIGN, _import_array, shm_arena, shm_arena_handler,
     shm_arena_open, shm_arena_unlink_and_free, shm_arenas,
     SHM_HEADER_BYTES, SHM_LEAF_ALIGN, SHM_SLOT_FREE, SHM_SLOT_LEASED, SHM_SLOT_MAGIC,
-    SHM_SLOT_READY, SHM_SLOT_VERSION, SHM_SLOT_WRITING, shm_map, shm_reserve, shm_slot_header,
+    SHM_SLOT_READY, SHM_SLOT_VERSION, SHM_SLOT_WRITING, shm_discard, shm_map, shm_reserve,
+    shm_slot_header,
     shm_unmap, slot_acquire, slot_claim, slot_init, slot_publish, slot_release, slot_state,
 )
 
@@ -209,6 +210,17 @@ cdef class Segment:
                 memcpy(dst, view.buf, row_nbytes)
             PyBuffer_Release(&view)
         return n
+
+    def discard_from(self, uint64_t offset):
+        """Give the pages from `offset` (page-aligned) to the end back to /dev/shm, for every
+        process mapping the segment: nothing may be read or written there afterwards (a held
+        batch keeps only the pages under it, NOTE [ Held batches ] in shmloader/ring.py)."""
+        self._check_range(offset, self._size - offset if offset <= self._size else 1)
+        if offset == self._size:
+            return
+        cdef int rc = shm_discard(self._base, offset, self._size - offset)
+        if rc != 0:
+            raise OSError(rc, f"discarding bytes {offset} to {self._size} of a slot segment: {os.strerror(rc)}")
 
     def close_fd(self):
         """Close the fd (after it has been passed on); the mapping stays until deallocation."""

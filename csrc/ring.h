@@ -79,6 +79,13 @@ static inline void *shm_map(int fd, uint64_t bytes, int populate) {
 
 static inline int shm_unmap(void *base, uint64_t bytes) { return munmap(base, (size_t)bytes); }
 
+/* Give the pages of [offset, offset + bytes) back to /dev/shm (MADV_REMOVE: the segment's
+ * backing store, for every process that maps it; those bytes read as zeros afterwards).  `offset`
+ * must be page-aligned.  Returns 0 or an errno value. */
+static inline int shm_discard(void *base, uint64_t offset, uint64_t bytes) {
+    return madvise((char *)base + offset, (size_t)bytes, MADV_REMOVE) == 0 ? 0 : errno;
+}
+
 static inline void slot_init(shm_slot_header *h, uint64_t capacity, uint64_t generation) {
     memset(h, 0, sizeof(*h));
     h->magic = SHM_SLOT_MAGIC;

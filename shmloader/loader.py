@@ -73,7 +73,9 @@ class LoaderStats:
     detached from the ring for batches the training loop holds, still alive;
     reserved_bytes: all shared memory reserved now (ring + held); in_use_bytes: of which hold a
     batch now (being written, waiting, or held); detached: slots handed over to held batches so
-    far; slot_grows: slots replaced by a larger segment so far; made_ahead: slot segments made
+    far; slot_grows: slots replaced by a larger segment so far; slot_shrinks: free slots dropped
+    when the size of new slots came down (NOTE [ Slot size follows the batches ] in ring.py);
+    held_bytes counts a held batch's own pages, not its slot's; made_ahead: slot segments made
     ahead of need, off the workers' path (NOTE [ Spare segments ] in spares.py); in_place_bytes: array bytes that a
     numpy collate_fn built in their slot, or that the dataset made in their row of it, so that no
     copy was made (NOTE [ One copy for a numpy collate_fn ] in worker.py, NOTE [ Samples born in
@@ -99,6 +101,7 @@ class LoaderStats:
     timing: diagnosis.LoaderTiming | None = None
     prefetched_next_epoch: int = 0  # batches fetched before their epoch began, and kept
     forecast_misses: int = 0  # next epochs whose forecast the sampler did not bear out
+    slot_shrinks: int = 0
 
     @property
     def control_bytes_per_batch(self) -> float:
@@ -815,7 +818,8 @@ class _ShmLoaderIter(_PoolIter):
             ring_bytes=ring_stats.ring_bytes, held_segments=ring_stats.held_segments,
             held_bytes=ring_stats.held_bytes, reserved_bytes=ring_stats.reserved_bytes,
             in_use_bytes=ring_stats.in_use_bytes, detached=ring_stats.detached,
-            slot_grows=ring_stats.slot_grows, made_ahead=ring_stats.made_ahead, batches=self._batches,
+            slot_grows=ring_stats.slot_grows, made_ahead=ring_stats.made_ahead,
+            slot_shrinks=ring_stats.slot_shrinks, batches=self._batches,
             in_place_bytes=self._scheduler.in_place_bytes,
             control_bytes=pool.control_bytes if pool is not None else 0,
             control_messages=pool.control_messages if pool is not None else 0,

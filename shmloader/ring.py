@@ -27,9 +27,13 @@ NOTE [ Held batches ]
   are told to forget it, see scheduler.py), so the ring is back at its working size by itself:
   nothing waits, no garbage collection is forced, and the memory is what the user holds plus the
   batches in flight, as with torch.  Only a cap the user asks for (`max_slots`, `max_bytes`)
-  stops it; then RingFullError says which.  What the user holds is counted in whole slots, where
-  torch counts each leaf's own segment: so small leaves are delivered as copies that hold no
-  slot (NOTE [ Small leaves are copies ] in layout.py), and a kept label tensor costs its bytes.
+  stops it; then RingFullError says which.  A detached segment gives the pages past its batch's
+  end back to /dev/shm (MADV_REMOVE), so a held batch costs its own size, page-rounded, not its
+  slot's (a slot sized for the largest batch so far): batches of varying size (dynamic padding,
+  one outlier) held in a list cost what torch's segments cost.  Not under pin_memory, whose pages
+  are page-locked.  Whole leaves are still counted in slots, where torch counts each leaf's own
+  segment: so small leaves are delivered as copies that hold no slot (NOTE [ Small leaves are
+  copies ] in layout.py), and a kept label tensor costs its bytes.
 
 NOTE [ Ring size ]
   depth = num_workers × prefetch_factor (batches in flight, as torch counts them) + CONSUMER_SLOTS
@@ -39,6 +43,16 @@ NOTE [ Ring size ]
   behind no more than the batches in flight and the one in its hand (NOTE [ Slots the loop gives
   back ] in scheduler.py, large slots).  Slot size is learnt from
   the first batch (page-rounded) unless `slot_bytes` is given; a larger batch grows only its slot.
+
+NOTE [ Slot size follows the batches ]
+  The size a new slot gets (`slot_bytes`: a slot made for the first time, one made again after
+  its batch was detached, a spare) rises at once with a larger batch, and comes down when a whole
+  window of batches (RECENT_PER_SLOT × depth, at least RECENT_MIN) has needed less than
+  1/SHRINK_ABOVE of it: then it becomes what those batches needed, with a grown slot's headroom,
+  and the free slots above SHRINK_ABOVE × that size are dropped (made again at the new size by
+  their next writer).  So one outlier batch (a 200 MiB batch among 20 MiB ones) does not size
+  every slot made after it; batches whose sizes vary within 2× (dynamic padding) never shrink it,
+  so their slots are not made again and again.  Never below a `slot_bytes` the user gave.
 """
 
 from __future__ import annotations
@@ -54,13 +68,27 @@ from . import _ring
 from . import segment as shm_segment
 from .errors import RingFullError, ShmCapacityError, SlotProtocolError
 from .ownership import register_parent_only
-from .segment import create_segment, page_round
+from .segment import MIN_HEADROOM, create_segment, page_round
 from .spares import SpareMaker
 
 CONSUMER_SLOTS = 2
+# NOTE [ Slot size follows the batches ]: the window (batches) and the ratio that shrink it.
+RECENT_PER_SLOT = 1
+RECENT_MIN = 4
+SHRINK_ABOVE = 2
 
 # The main process's view of a slot (the header's state word has WRITING/READY in between).
 _FREE, _DISPATCHED, _LEASED = "free", "granted", "leased"
+
+
+def _keep_only_the_batch(segment: _ring.Segment) -> int:
+    """Give back the pages of a leased segment past its batch's end (NOTE [ Held batches ]);
+    returns the bytes it keeps.  Not for a segment page-locked for CUDA."""
+    kept = page_round(segment.header()[8])  # the batch's payload end
+    if kept >= segment.size or segment.before_unmap is not None:
+        return segment.size
+    segment.discard_from(kept)
+    return kept
 
 
 @dataclass(frozen=True)
@@ -75,6 +103,7 @@ class RingStats:
     detached: int  # slots handed over to held batches so far (NOTE [ Held batches ])
     slot_grows: int
     made_ahead: int  # segments made by the spare thread and installed (NOTE [ Spare segments ])
+    slot_shrinks: int = 0  # free slots dropped as the slot size shrank (NOTE [ Slot size follows ... ])
 
     @property
     def reserved_bytes(self) -> int:
@@ -97,6 +126,9 @@ class Ring:
         self.max_slots = max_slots
         self.max_bytes = max_bytes
         self.slot_bytes = page_round(slot_bytes) if slot_bytes else None
+        self._given_bytes = self.slot_bytes or 0  # the user's slot_bytes: never shrunk below
+        # payload ends of the latest batches (NOTE [ Slot size follows the batches ])
+        self._recent_ends: deque[int] = deque(maxlen=max(RECENT_MIN, RECENT_PER_SLOT * depth))
         self._segments: list[_ring.Segment | None] = [None] * depth
         self._generations = [0] * depth
         self._states = [_FREE] * depth
@@ -104,10 +136,12 @@ class Ring:
         self._leased: dict[int, None] = {}  # leased slots, longest-held first
         # Appended by SlotLease deallocation, from whichever thread dropped the last view.
         self._released: deque[tuple[int, int]] = deque()
-        self._held_segments: weakref.WeakSet[_ring.Segment] = weakref.WeakSet()
+        # detached segments still alive -> the bytes they keep (NOTE [ Held batches ])
+        self._held_segments: weakref.WeakKeyDictionary[_ring.Segment, int] = weakref.WeakKeyDictionary()
         self._retired: list[tuple[int, int]] = []  # (slot, generation) no process should map now
         self._detached = 0
         self._slot_grows = 0
+        self._shrunk = 0
         self._made_ahead = 0
         self._closed = False
         self._spares = SpareMaker(lambda capacity: create_segment(capacity, 0, "a spare ring slot", populate=False))
@@ -145,10 +179,10 @@ class Ring:
         """(segments, bytes) alive now: the ring's created slots, the held ones and the spares
         ready or being made."""
         ring = self.segments()
-        held = list(self._held_segments)
+        held = list(self._held_segments.values())
         spares = self._spares.pending()
         return (len(ring) + len(held) + spares,
-                sum(s.size for s in ring) + sum(s.size for s in held) + spares * (self.slot_bytes or 0))
+                sum(s.size for s in ring) + sum(held) + spares * (self.slot_bytes or 0))
 
     def _may_add_segment(self) -> bool:
         """Whether one more segment stays within the user's cap (always, without one)."""
@@ -240,8 +274,9 @@ class Ring:
         """Leave a leased slot's segment to its batch alone; the slot starts a new generation."""
         segment = self._segments[slot]
         assert segment is not None and self._states[slot] == _LEASED
+        kept = _keep_only_the_batch(segment)
         segment.close_fd()  # the lease keeps the mapping: a held batch costs no fd
-        self._held_segments.add(segment)
+        self._held_segments[segment] = kept
         self._retired.append((slot, self._generations[slot]))
         del self._leased[slot]
         self._segments[slot] = None
@@ -282,6 +317,7 @@ class Ring:
             segment.release()
         self._states[slot] = _FREE
         self._free.append(slot)
+        self._retire_if_oversized(slot)
 
     def task_geometry(self, slot: int) -> tuple[int, int, int]:
         """(generation, capacity, size hint) of a slot as a worker must see it; capacity 0: not
@@ -351,8 +387,39 @@ class Ring:
             raise SlotProtocolError(f"slot {slot} is in state {found}, not READY")
         self._states[slot] = _LEASED
         self._leased[slot] = None
+        self._follow(payload_end)
         descriptor = segment.read(desc_offset, desc_bytes)
         return _ring.SlotLease(segment, slot, generation, sequence, on_release), descriptor, payload_end
+
+    def _follow(self, payload_end: int) -> None:
+        """Shrink the size of new slots, and drop free slots far above it, once a whole window of
+        batches has needed much less (NOTE [ Slot size follows the batches ])."""
+        recent = self._recent_ends
+        recent.append(payload_end)
+        if not self.slot_bytes or self.slot_bytes <= SHRINK_ABOVE * payload_end or len(recent) < recent.maxlen:
+            return  # (the first test settles it for batches of one size, at no cost)
+        needed = max(recent)
+        wanted = max(page_round(needed + max(needed // 8, MIN_HEADROOM)), self._given_bytes)
+        if self.slot_bytes <= SHRINK_ABOVE * wanted:
+            return
+        self.slot_bytes = wanted
+        recent.clear()  # a whole new window before the next shrink
+        for slot in list(self._free):
+            self._retire_if_oversized(slot)
+
+    def _retire_if_oversized(self, slot: int) -> None:
+        """Drop a free slot's segment if it is far above the size of new slots (it was made
+        before that size came down); workers are told to forget it, and the slot's next writer
+        makes one at the ring's size."""
+        segment = self._segments[slot]
+        if segment is None or not self.slot_bytes or segment.size <= SHRINK_ABOVE * self.slot_bytes:
+            return
+        assert self._states[slot] == _FREE
+        segment.close_fd()
+        self._retired.append((slot, self._generations[slot]))
+        self._segments[slot] = None
+        self._generations[slot] += 1
+        self._shrunk += 1
 
     def release_callback(self):
         """What a SlotLease calls when it dies: a thread-safe append, nothing else."""
@@ -370,6 +437,7 @@ class Ring:
             self._states[slot] = _FREE
             self._leased.pop(slot, None)
             self._free.append(slot)
+            self._retire_if_oversized(slot)
             n += 1
         return n
 
@@ -391,8 +459,8 @@ class Ring:
     def stats(self) -> RingStats:
         self.collect_released()
         allocated = self.segments()
-        held = list(self._held_segments)
-        held_bytes = sum(s.size for s in held)
+        held = list(self._held_segments.values())
+        held_bytes = sum(held)
         busy = sum(s.size for slot, s in enumerate(self._segments) if s is not None and self._states[slot] != _FREE)
         return RingStats(
             slots=self.depth,
@@ -405,6 +473,7 @@ class Ring:
             detached=self._detached,
             slot_grows=self._slot_grows,
             made_ahead=self._made_ahead,
+            slot_shrinks=self._shrunk,
         )
 
     # -- teardown ----------------------------------------------------------------------------
@@ -416,8 +485,10 @@ class Ring:
             return
         self._closed = True
         self._spares.close()
-        for segment in self._segments:
+        for slot, segment in enumerate(self._segments):
             if segment is not None:
+                if self._states[slot] == _LEASED:  # held past the ring's end, never reused now
+                    _keep_only_the_batch(segment)
                 segment.close_fd()
         self._segments = [None] * len(self._segments)
         self._free.clear()

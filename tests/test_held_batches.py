@@ -220,3 +220,59 @@ def test_a_batch_sent_to_another_process_is_shared_with_it_as_under_torch():
     sums = seen["DataLoader"]
     assert sums["child_read"] == sums["parent_before"] and sums["parent_after"] == sums["parent_before"] + 16 * 1000
     assert len(sums["epoch"]) == 4
+
+
+class _SizedBatches(torch.utils.data.Dataset):
+    """Sample i is a float32 tensor of `sizes[i]` bytes, filled with i (batch_size=1)."""
+
+    def __init__(self, sizes):
+        self.sizes = sizes
+
+    def __len__(self):
+        return len(self.sizes)
+
+    def __getitem__(self, i):
+        return torch.full((self.sizes[i] // 4,), float(i))
+
+
+def _shm_used() -> int:
+    st = os.statvfs("/dev/shm")
+    return (st.f_blocks - st.f_bfree) * st.f_frsize
+
+
+@pytest.mark.parametrize("order", ["outlier first", "padded"])
+def test_held_batches_of_varying_size_cost_their_own_size(order):
+    """NOTE [ Held batches ]: a held batch keeps its own pages, not its slot's, which is sized for
+    the largest batch so far. One 24 MiB batch and then 2 MiB ones kept (each would keep a 27 MiB
+    slot: 324 MiB), or sizes that vary batch to batch (dynamic padding), kept in a list: /dev/shm
+    holds what the batches hold, as under torch."""
+    mib = 1 << 20
+    if order == "outlier first":
+        sizes = [mib // 4, 24 * mib] + [2 * mib] * 12
+    else:
+        sizes = [(1 + (7 * i) % 9) * mib for i in range(16)]  # 1..9 MiB, no order
+    base = _shm_used()
+    loader = ShmDataLoader(_SizedBatches(sizes), batch_size=1, num_workers=WORKERS)
+    kept = [batch for k, batch in enumerate(loader) if k >= 2]
+    used = _shm_used() - base  # the iterator is done: the ring is closed, only held batches remain
+    kept_bytes = sum(sizes[2:])
+    assert used <= kept_bytes * 1.05 + mib, f"{used / mib:.1f} MiB held for {kept_bytes / mib:.1f} MiB of batches"
+    for k, batch in enumerate(kept, start=2):
+        assert batch.shape == (1, sizes[k] // 4) and bool((batch == k).all())
+
+
+def test_one_outlier_batch_does_not_size_the_slots_made_after_it():
+    """NOTE [ Slot size follows the batches ] in ring.py: after a window of small batches the
+    ring makes its new slots at their size again, and drops its free slots far above it."""
+    mib = 1 << 20
+    sizes = [mib // 4, 24 * mib] + [2 * mib] * 20
+    loader = ShmDataLoader(_SizedBatches(sizes), batch_size=1, num_workers=WORKERS, persistent_workers=True)
+    it = iter(loader)
+    for k in range(len(sizes)):
+        batch = next(it)
+        assert bool((batch == k).all())
+    del batch
+    stats = it.stats()
+    assert stats.slot_bytes < 3 * mib, stats
+    assert stats.ring_bytes <= DEPTH * 3 * mib, stats  # no 27 MiB slot left in the ring
+    del it

@@ -125,7 +125,9 @@ def test_a_full_ring_detaches_its_longest_held_slot():
     assert _payload(first) == b"batch 0"
     stats = ring.stats()
     assert (stats.held_segments, stats.detached, stats.slots) == (1, 1, 2)
-    assert stats.reserved_bytes == stats.ring_bytes + first.segment.size
+    # the held segment keeps only its batch's pages (the payload ends within the first page)
+    assert first.segment.size == 2 * PAGE and stats.held_bytes == PAGE
+    assert stats.reserved_bytes == stats.ring_bytes + PAGE
     _worker_writes(ring, slot, 2, payload=b"batch 2")
     third = ring.lease(slot, 2, ring.release_callback())[0]
     held_segment = weakref.ref(first.segment)
@@ -273,4 +275,70 @@ def test_a_refused_slot_leaves_no_trace():
             ring.take_free_slot()
     assert (ring.depth, list(ring._free), list(ring._states), ring.stats()) == before
     del leases
+    ring.close()
+
+
+# -- NOTE [ Slot size follows the batches ] ------------------------------------------------------
+
+
+def _batch_of(ring: Ring, sequence: int, end: int):
+    """A worker's batch whose payload ends at `end` (the slot grown to hold it if need be),
+    leased and released at once: the ring learns its size."""
+    slot = ring.take_free_slot()
+    generation, capacity, hint = ring.task_geometry(slot)
+    if capacity < end:
+        segment = create_segment(max(hint, end) if capacity == 0 else 2 * end, generation + 1)
+        ring.adopt(slot, os.dup(segment.fd), segment.size, generation + 1)
+        segment.close_fd()
+    segment = ring.segment(slot)
+    assert segment.claim(1, sequence) == _ring.FREE
+    segment.write(_ring.HEADER_BYTES, b"d")
+    segment.publish(1, end)
+    lease = ring.lease(slot, sequence, ring.release_callback())[0]
+    del lease
+    ring.collect_released()
+
+
+def test_a_held_segment_gives_its_pages_past_the_batch_back_to_dev_shm():
+    ring = Ring(1, slot_bytes=64 * PAGE)
+    first = _lease_all(ring, 1)[0]
+    fd = os.dup(ring.fd(first.slot))
+    assert os.fstat(fd).st_blocks * 512 >= 64 * PAGE  # reserved whole
+    ring.take_free_slot()  # detaches the held one
+    assert os.fstat(fd).st_blocks * 512 == PAGE and _payload(first) == b"batch 0"
+    os.close(fd)
+    del first
+    ring.close()
+
+
+def test_the_size_of_new_slots_comes_down_after_a_window_of_smaller_batches():
+    ring = Ring(2)
+    window = ring._recent_ends.maxlen
+    _batch_of(ring, 0, 4 << 20)  # the outlier
+    big = ring.slot_bytes
+    assert big >= 4 << 20
+    for sequence in range(1, window):
+        _batch_of(ring, sequence, 256 << 10)
+        assert ring.slot_bytes == big  # not before a whole window without the outlier
+    _batch_of(ring, window, 256 << 10)
+    assert ring.slot_bytes < big / 4 and ring.stats().slot_shrinks >= 1
+    assert all(s.size <= 2 * ring.slot_bytes for s in ring.segments())  # the big one dropped
+    retired = ring.take_retired()
+    assert retired, "workers must be told to forget the dropped segment"
+    _batch_of(ring, window + 1, 3 << 20)  # a larger batch grows it again at once
+    assert ring.slot_bytes >= 3 << 20
+    ring.close()
+
+
+@pytest.mark.parametrize("given", [None, 4 << 20])
+def test_sizes_within_twice_and_a_given_slot_bytes_never_shrink_it(given):
+    ring = Ring(2, slot_bytes=given)
+    ends = [(1 + (k * 5) % 4) << 20 for k in range(40)]  # 1..4 MiB, dynamic padding
+    if given:
+        ends = [64 << 10] * 40  # far below what the user gave
+    for sequence, end in enumerate(ends):
+        _batch_of(ring, sequence, end)
+    assert ring.stats().slot_shrinks == 0
+    if given:
+        assert ring.slot_bytes == given
     ring.close()
