@@ -81,10 +81,11 @@ SHRINK_ABOVE = 2
 _FREE, _DISPATCHED, _LEASED = "free", "granted", "leased"
 
 
-def _keep_only_the_batch(segment: _ring.Segment) -> int:
-    """Give back the pages of a leased segment past its batch's end (NOTE [ Held batches ]);
-    returns the bytes it keeps.  Not for a segment page-locked for CUDA."""
-    kept = page_round(segment.header()[8])  # the batch's payload end
+def _keep_only_the_batch(segment: _ring.Segment, payload_end: int) -> int:
+    """Give back the pages of a leased segment past its batch's end (as checked when it was
+    leased, not as its header says now: NOTE [ Held batches ]); returns the bytes it keeps.
+    Not for a segment page-locked for CUDA."""
+    kept = page_round(payload_end)
     if kept >= segment.size or segment.before_unmap is not None:
         return segment.size
     segment.discard_from(kept)
@@ -132,6 +133,7 @@ class Ring:
         self._segments: list[_ring.Segment | None] = [None] * depth
         self._generations = [0] * depth
         self._states = [_FREE] * depth
+        self._leased_ends = [0] * depth  # a leased slot's payload end, as lease() checked it
         self._free: deque[int] = deque(range(depth))
         self._leased: dict[int, None] = {}  # leased slots, longest-held first
         # Appended by SlotLease deallocation, from whichever thread dropped the last view.
@@ -274,7 +276,7 @@ class Ring:
         """Leave a leased slot's segment to its batch alone; the slot starts a new generation."""
         segment = self._segments[slot]
         assert segment is not None and self._states[slot] == _LEASED
-        kept = _keep_only_the_batch(segment)
+        kept = _keep_only_the_batch(segment, self._leased_ends[slot])
         segment.close_fd()  # the lease keeps the mapping: a held batch costs no fd
         self._held_segments[segment] = kept
         self._retired.append((slot, self._generations[slot]))
@@ -387,6 +389,7 @@ class Ring:
             raise SlotProtocolError(f"slot {slot} is in state {found}, not READY")
         self._states[slot] = _LEASED
         self._leased[slot] = None
+        self._leased_ends[slot] = payload_end
         self._follow(payload_end)
         descriptor = segment.read(desc_offset, desc_bytes)
         return _ring.SlotLease(segment, slot, generation, sequence, on_release), descriptor, payload_end
@@ -488,7 +491,7 @@ class Ring:
         for slot, segment in enumerate(self._segments):
             if segment is not None:
                 if self._states[slot] == _LEASED:  # held past the ring's end, never reused now
-                    _keep_only_the_batch(segment)
+                    _keep_only_the_batch(segment, self._leased_ends[slot])
                 segment.close_fd()
         self._segments = [None] * len(self._segments)
         self._free.clear()
