@@ -342,3 +342,18 @@ def test_sizes_within_twice_and_a_given_slot_bytes_never_shrink_it(given):
     if given:
         assert ring.slot_bytes == given
     ring.close()
+
+
+def test_a_header_changed_after_the_lease_does_not_trim_the_held_batch():
+    """Trust model: a worker that rewrites a leased slot's payload end cannot make the main
+    process give back pages under the batch the training loop holds."""
+    ring = Ring(1, slot_bytes=16 * PAGE)
+    slot = ring.take_free_slot()
+    _worker_writes(ring, slot, 0, payload=bytes(range(256)) * (4 * PAGE // 256))  # 4 pages
+    lease = ring.lease(slot, 0, ring.release_callback())[0]
+    ring.segment(slot).publish(1, _ring.HEADER_BYTES + 1)  # a rogue write: "the batch ends at once"
+    ring.take_free_slot()  # detaches it
+    assert bytes(memoryview(lease)[_ring.HEADER_BYTES:_ring.HEADER_BYTES + 4 * PAGE]) == bytes(range(256)) * (4 * PAGE // 256)
+    assert ring.stats().held_bytes == page_round(_ring.HEADER_BYTES + 4 * PAGE)
+    del lease
+    ring.close()
