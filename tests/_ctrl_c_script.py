@@ -5,6 +5,7 @@ for an ffmpeg), recording each program's pid in the folder argv[2]."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 
@@ -30,6 +31,9 @@ class RunsAProgram(Dataset):
 
 
 if __name__ == "__main__":
+    # As in a terminal: a job started in the background (`make test &`) has SIGINT ignored, and
+    # Python then never raises KeyboardInterrupt.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     cls = {"torch": DataLoader, "shmloader": ShmDataLoader}[sys.argv[1]]
     for _ in cls(RunsAProgram(sys.argv[2]), batch_size=4, num_workers=2,
                  multiprocessing_context=sys.argv[3]):
