@@ -546,6 +546,10 @@ class _ShmLoaderIter(_PoolIter):
         try:
             index = self._next_index()
         except StopIteration:
+            if self._adopting is not None and self._send_idx < self._adoptable:
+                # the epoch ended before the forecast did (it got shorter): before the next
+                # epoch's forecast is sent, undo the draws of the tasks past its end
+                self._drop_forecast(self._adopting, self._send_idx)
             self._prefetch_next_epoch()
             return
         for _ in range(self._num_workers):  # the next active worker, as torch picks it
@@ -604,11 +608,16 @@ class _ShmLoaderIter(_PoolIter):
         if (position < self._adoptable and len(self._adopted) == position
                 and worker_id == position % self._num_workers and ahead.agrees(position, index)):
             return True
+        if position < self._adoptable:  # the rest were drawn from a wrong forecast
+            self._drop_forecast(ahead, position)
         self._adopting = None
-        if position < self._adoptable:  # the rest were drawn from a wrong forecast: undo their RNG draws
-            for worker in range(self._num_workers):
-                self._send(worker, Rewind(-ahead.epoch, position))
         return False
+
+    def _drop_forecast(self, ahead, position: int) -> None:
+        """The forecast's tasks from `position` on are not kept: the workers undo their RNG draws."""
+        self._adopting = None
+        for worker in range(self._num_workers):
+            self._send(worker, Rewind(-ahead.epoch, position))
 
     def _result_of(self, epoch: int, idx: int) -> str:
         """'now' for a result of this epoch, 'early' for one of the next epoch's prefetched tasks

@@ -64,7 +64,7 @@ def run(make, epochs: int = EPOCHS, between=None) -> list:
     return got, loader
 
 
-def side_by_side(dataset, between=None, prefetched: bool = True, **kwargs):
+def side_by_side(dataset, between=None, prefetched: bool = True, epochs: int = EPOCHS, **kwargs):
     """The same epochs from torch's DataLoader and Prefetching; returns shmloader's stats."""
     kwargs = dict(num_workers=2, persistent_workers=True, **kwargs)
     seed = kwargs.pop("seed", None)
@@ -80,15 +80,15 @@ def side_by_side(dataset, between=None, prefetched: bool = True, **kwargs):
         return lambda: cls(dataset, **rest, **extra)
 
     torch.manual_seed(7)
-    want, _ = run(make(DataLoader), between=between)
+    want, _ = run(make(DataLoader), epochs, between=between)
     torch.manual_seed(7)
-    got, loader = run(make(Prefetching), between=between)
+    got, loader = run(make(Prefetching), epochs, between=between)
     for epoch, (g, w) in enumerate(zip(got, want)):
         assert len(g) == len(w), f"epoch {epoch}: {len(g)} batches, torch {len(w)}"
         assert_same_batches(g, w)
     stats = loader.stats()
     if prefetched:  # the feature did something: the first batches of epochs 2 and 3 were in flight
-        assert stats.prefetched_next_epoch >= 2 * (EPOCHS - 1), stats
+        assert stats.prefetched_next_epoch >= 2 * (epochs - 1), stats
     return stats
 
 
@@ -225,6 +225,29 @@ def test_epochs_shorter_than_the_prefetch_window():
     side_by_side(Noisy(), batch_size=10, shuffle=True, seed=3, prefetch_factor=4)
     stats = side_by_side(Noisy(), batch_size=40, shuffle=True, seed=3, prefetched=False)  # one batch an epoch
     assert stats.prefetched_next_epoch == EPOCHS - 1, stats
+
+
+class Curriculum(Noisy):
+    """The first `n` samples, `n` set in the main process between epochs."""
+
+    n = 40
+
+    def __len__(self):
+        return self.n
+
+
+@pytest.mark.parametrize("lengths", [(40, 8, 40), (40, 4, 12, 40), (12, 40, 4, 40)])
+def test_an_epoch_shorter_than_the_forecast_keeps_the_augmentations_torchs(lengths):
+    """The epoch ends before the forecast's tasks do (a curriculum shortens it): the tasks past
+    its end are dropped and the workers undo their RNG draws before the next epoch's forecast
+    goes out, so every later epoch's random augmentations are torch's."""
+    dataset = Curriculum()
+
+    def between(_loader, epoch):
+        dataset.n = lengths[epoch]
+
+    stats = side_by_side(dataset, between=between, batch_size=4, prefetched=False, epochs=len(lengths))
+    assert stats.forecast_misses >= 1 and stats.prefetched_next_epoch >= 1, stats
 
 
 def test_out_of_order_delivery_keeps_each_epochs_batches():
