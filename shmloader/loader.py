@@ -215,6 +215,13 @@ class ShmDataLoader(DataLoader[_T_co]):
         fields["_last_iterator"] = fields["_final_stats"] = None
         return fields
 
+    def __new__(cls, *args, **kwargs):
+        """A SampleParallelLoader for `sample_parallel=True` with workers (a loader without state)."""
+        num_workers = kwargs.get("num_workers", args[5] if len(args) > 5 else 0)
+        if cls is ShmDataLoader and kwargs.get("sample_parallel") and num_workers:
+            cls = SampleParallelLoader
+        return super().__new__(cls)
+
     def state_dict(self) -> dict:
         """Where the loader is in its epoch, to resume there later with load_state_dict(), in this
         process or another (torchdata's StatefulDataLoader contract; NOTE [ Resuming mid-epoch ]
@@ -240,6 +247,17 @@ class ShmDataLoader(DataLoader[_T_co]):
         if iterator is not None and not iterator._shutdown:
             return iterator.stats()
         return self._final_stats
+
+
+class SampleParallelLoader(ShmDataLoader):
+    """What `ShmDataLoader(..., sample_parallel=True)` makes when it has workers: a ShmDataLoader
+    with no loader state yet in this mode.  `state_dict` and `load_state_dict` are None, the
+    typing convention for methods a class does not have, so that Lightning (whose checkpoints save
+    the state of every loader that has these methods) and other Protocol checks treat it as
+    torch's DataLoader, which has none, instead of calling a method that can only refuse."""
+
+    state_dict = None  # type: ignore[assignment]
+    load_state_dict = None  # type: ignore[assignment]
 
 
 class _Failure:
@@ -286,7 +304,6 @@ class _Failure:
                 # a RuntimeError, as torch raises then, so `except RuntimeError` catches both.
         exc.worker_id, exc.worker_stage = self.worker_id, self.stage  # type: ignore[attr-defined]
         raise exc from RemoteTraceback(text)
-
 
 _END = object()  # an iterable worker's stream is exhausted
 

@@ -146,6 +146,10 @@ def check_loader(loader) -> None:
         raise ValueError(
             f"sample_parallel=True writes each sample's rows as torch's default_collate stacks them, "
             f"so it needs the default collate_fn; got collate_fn={loader.collate_fn!r}: {_USE_DEFAULT}")
+    if loader.prefetch_next_epoch:
+        raise ValueError("sample_parallel=True does not fetch across an epoch's end yet: "
+                         "prefetch_next_epoch=True works in the default mode (sample_parallel=False); "
+                         "pass one of the two")
 
 
 def refuse_state(what: str) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import json
 
+import numpy as np
 import pytest
 import torch
 
@@ -112,3 +113,33 @@ def test_fit_with_ddp_on_two_processes(L, tmp_path):
         assert sorted(val[0] + val[1]) == list(range(VAL_SAMPLES))
     for seen in ranks:
         assert seen["labels"][0] != seen["labels"][1]  # Lightning's set_epoch reshuffled
+
+
+class ImagesAndLabels(torch.utils.data.Dataset):
+    """What sample_parallel=True spreads over the workers: arrays and numbers (no str)."""
+
+    def __len__(self):
+        return 16
+
+    def __getitem__(self, i):
+        return {"image": np.full((3, 4, 5), i, np.float32), "label": i}
+
+
+@pytest.mark.timeout(120)
+def test_fit_with_sample_parallel_and_lightnings_default_checkpointing(L, tmp_path, no_leaks):
+    """Lightning saves the state of every loader that has state_dict/load_state_dict in the
+    checkpoint it writes after each epoch; a sample_parallel loader has none yet, and must be
+    treated as torch's DataLoader (no state), not fail fit() at the end of epoch 0."""
+    dataset = ImagesAndLabels()
+    train = ShmDataLoader(dataset, batch_size=4, shuffle=True, num_workers=2, generator=seeded(3),
+                          sample_parallel=True)
+    model = recorder(L)
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_epochs=2, num_sanity_val_steps=0,
+                        logger=False, enable_progress_bar=False, enable_model_summary=False,
+                        default_root_dir=str(tmp_path))  # checkpointing left on, as by default
+    trainer.fit(model, train_dataloaders=train)
+    assert trainer.current_epoch == 2 and len(model.train_batches) == 8
+    assert list(tmp_path.rglob("*.ckpt")), "Lightning wrote no checkpoint"
+    ref = torch.utils.data.DataLoader(dataset, batch_size=4, shuffle=True, generator=seeded(3))
+    assert [b["label"].tolist() for b in model.train_batches] == [b["label"].tolist() for b in collect(ref) + collect(ref)]
+    del trainer, model, train

@@ -5,7 +5,9 @@ default mode; clear errors for what the mode cannot do; no partial batch, no lea
 
 from __future__ import annotations
 
+import copy
 import os
+import pickle
 import signal
 
 import numpy as np
@@ -215,10 +217,35 @@ def test_what_the_mode_cannot_do_is_a_clear_error(make):
         make()
 
 
-def test_state_dict_is_refused():
+def test_a_loader_without_state_is_seen_as_one_by_lightning_and_typing():
+    """No loader state in this mode yet: state_dict and load_state_dict are None (the typing
+    convention), so a Protocol check (Lightning's _Stateful) finds none, and the checkpoint
+    Lightning saves after each epoch does not call them."""
+    from typing import Protocol, runtime_checkable
+
+    @runtime_checkable
+    class Stateful(Protocol):
+        def state_dict(self): ...
+
+        def load_state_dict(self, state_dict): ...
+
     loader = ShmDataLoader(Arrays(), batch_size=2, num_workers=2, sample_parallel=True)
+    assert isinstance(loader, ShmDataLoader) and loader.sample_parallel
+    assert loader.state_dict is None and loader.load_state_dict is None
+    assert not isinstance(loader, Stateful)
+    assert isinstance(ShmDataLoader(Arrays(), batch_size=2, num_workers=2), Stateful)
+    assert isinstance(ShmDataLoader(Arrays(), batch_size=2, sample_parallel=True), Stateful)  # in process
     with pytest.raises(ValueError, match="state_dict"):
-        loader.state_dict()
+        ShmDataLoader.state_dict(loader)  # the method itself still says why
+    again = pickle.loads(pickle.dumps(copy.deepcopy(loader)))
+    assert type(again) is type(loader) and again.state_dict is None
+    assert_same_batches(collect(again), collect(DataLoader(Arrays(), batch_size=2)))
+
+
+def test_prefetch_next_epoch_is_refused_with_a_clear_error():
+    with pytest.raises(ValueError, match=r"sample_parallel=True does not fetch across.*prefetch_next_epoch"):
+        ShmDataLoader(Arrays(), batch_size=2, num_workers=2, persistent_workers=True,
+                      sample_parallel=True, prefetch_next_epoch=True)
 
 
 def test_unsupported_sample_is_a_clear_error_at_the_first_batch():
