@@ -393,7 +393,8 @@ def format_timing(t: LoaderTiming) -> str:
             *[_pct(getattr(w, f"{k}_s") / active)
               for k in ("fetching", "collating", "awaiting_slot", "writing", "idle")],
             per(w.busy_s), "-" if w.cpu_s is None else per(w.cpu_s),
-            "-" if w.run_queue_s is None else _pct(w.run_queue_s / w.busy_s if w.busy_s else 0),
+            # of its whole time, as the other columns: the run queue fills while idle too (a wake-up)
+            "-" if w.run_queue_s is None else _pct(min(1.0, w.run_queue_s / active)),
             _ms(w.starting_s),
         ])
     lines += _table(rows, ["worker", "batches", "fetching", "collating", "await slot", "writing",

@@ -259,3 +259,15 @@ def test_a_killed_worker_is_reported_with_its_stage():
         for _ in loader:
             pass
     assert loader.stats().timing is not None  # the figures survive a broken loader
+
+
+def test_the_cpu_wait_column_is_a_share_of_the_workers_whole_time():
+    """A worker mostly idle gathers run-queue time on its wake-ups: the column is a share of its
+    time since start-up, as the others, never over 100% (it showed 107% and 213%)."""
+    ws = [_worker(0, batches=8, fetching=0.02, idle=0.12, cpu=0.004, queue=0.03)]
+    figures = _figures(ws, wait_s=0.01, step_s=0.1, batches=8, cores=2)
+    bound, suggested, verdict, advice = diagnosis.assess(figures)
+    timing = diagnosis.LoaderTiming(**figures, bound=bound, suggested_workers=suggested,
+                                    verdict=verdict, advice=tuple(advice))
+    row = diagnosis.format_timing(timing).splitlines()[-2]
+    assert row.split()[-3] == "21%", row  # 0.03 s of 0.14 s (then the start-up, "100 ms")
