@@ -9,6 +9,7 @@ from .errors import (
     LayoutError,
     LoaderBrokenError,
     LoaderTimeoutError,
+    MissingKeyError,
     RingFullError,
     ShmCapacityError,
     ShmLoaderError,
@@ -36,5 +37,6 @@ __all__ = [
     "ShmCapacityError",
     "LayoutError",
     "BatchShapeError",
+    "MissingKeyError",
     "SlotProtocolError",
 ]

@@ -92,6 +92,13 @@ class BatchShapeError(ShmLoaderError, RuntimeError):
     """Samples disagree on a leaf's shape or dtype, so they cannot be stacked (torch.stack's case)."""
 
 
+class MissingKeyError(BatchShapeError, KeyError):
+    """A dict sample lacks a key of the batch's first (sample_parallel=True): a KeyError, as torch's
+    default_collate raises then, so `except KeyError` catches both."""
+
+    __str__ = BaseException.__str__  # the message as written, not quoted as a KeyError's key
+
+
 class SlotProtocolError(ShmLoaderError, RuntimeError):
     """A slot's header or descriptor is not what this process expects (stale, foreign, corrupt)."""
 

@@ -69,7 +69,7 @@ import torch
 from torch.utils.data._utils import collate as torch_collate
 
 from . import layout
-from .errors import BatchShapeError, LayoutError
+from .errors import BatchShapeError, LayoutError, MissingKeyError
 
 __all__ = [
     "RowLeaf", "RowSchema", "RowsUnsupportedError", "learn_schema", "publish_batch",
@@ -326,7 +326,10 @@ def _gather(node, obj, path: str, row: int, out: list) -> None:
                 raise _mismatch("sample structure differs", path, row, f"{kind.__name__} with keys {list(keys)}", got)
         elif not isinstance(obj, Mapping) or any(key not in obj for key in keys):
             got = f"{type(obj).__name__} with keys {list(obj)}" if isinstance(obj, Mapping) else _describe(obj)
-            raise _mismatch("sample structure differs", path, row, f"a mapping with keys {list(keys)}", got)
+            error = _mismatch("sample structure differs", path, row, f"a mapping with keys {list(keys)}", got)
+            if isinstance(obj, Mapping):  # a missing key: torch's default_collate raises KeyError
+                raise MissingKeyError(*error.args)
+            raise error
         for key, child in zip(keys, children):
             _gather(child, obj[key], f"{path}[{key!r}]", row, out)
         return

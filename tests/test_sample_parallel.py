@@ -271,6 +271,27 @@ def test_a_sample_of_another_shape_raises_at_its_batch_and_the_epoch_goes_on():
     assert [b[0, 0].item() for b in it] == [12, 16]
 
 
+class MissingKey(Dataset):
+    def __len__(self):
+        return 12
+
+    def __getitem__(self, i):
+        return {"a": np.full(2, i), **({"b": i} if i % 4 != 2 else {})}  # row 2 of each batch lacks "b"
+
+
+def test_a_missing_key_is_a_key_error_as_under_torch():
+    got = iter(ShmDataLoader(MissingKey(), batch_size=4, num_workers=2, sample_parallel=True))
+    want = iter(DataLoader(MissingKey(), batch_size=4, num_workers=2))
+    for _ in range(3):  # each batch fails; the epoch goes on
+        with pytest.raises(KeyError) as ref:
+            next(want)
+        with pytest.raises(KeyError) as info:
+            next(got)
+        assert isinstance(info.value, BatchShapeError) and isinstance(ref.value, KeyError)
+        assert "row 2" in str(info.value) and not str(info.value).startswith("'")
+    want._shutdown_workers()  # torch's iterator takes 10 s to stop when left to the gc
+
+
 def test_a_dataset_error_raises_at_its_batch_and_the_epoch_goes_on():
     it = iter(ShmDataLoader(Faulty(bad=5), batch_size=4, num_workers=3, sample_parallel=True))
     assert next(it)[0, 0].item() == 0
