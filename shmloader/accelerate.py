@@ -27,6 +27,7 @@ new torch DataLoader, whose batches take torch's transport.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 from torch.utils.data import DataLoader, IterableDataset
@@ -73,13 +74,20 @@ def _keep_shared_memory(prepared, original: ShmDataLoader):
 
 
 def _shm_like(base: DataLoader, original: ShmDataLoader) -> ShmDataLoader:
-    """A ShmDataLoader that yields what `base` would, with `original`'s slot arguments."""
+    """A ShmDataLoader that yields what `base` would, with `original`'s slot arguments and modes."""
+    sample_parallel = original.sample_parallel
     if isinstance(base.dataset, IterableDataset):
         batching: dict[str, Any] = {"batch_size": base.batch_size, "drop_last": base.drop_last}
     elif base.batch_sampler is not None:
         batching = {"batch_sampler": base.batch_sampler}
     else:  # accelerate passed a batch sampler as `sampler`, with batch_size=None
         batching = {"sampler": base.sampler, "batch_size": None}
+        if sample_parallel:
+            warnings.warn("accelerate_prepare: accelerate hands this loader its batches as single "
+                          "samples (a batch sampler as `sampler`), which sample_parallel=True cannot "
+                          "spread over the workers; the prepared loader runs in the default mode",
+                          stacklevel=3)
+            sample_parallel = False
     return ShmDataLoader(
         base.dataset, **batching, num_workers=base.num_workers, collate_fn=base.collate_fn,
         pin_memory=base.pin_memory, timeout=base.timeout, worker_init_fn=base.worker_init_fn,
@@ -87,5 +95,6 @@ def _shm_like(base: DataLoader, original: ShmDataLoader) -> ShmDataLoader:
         prefetch_factor=base.prefetch_factor, persistent_workers=base.persistent_workers,
         pin_memory_device=base.pin_memory_device, in_order=base.in_order,
         slot_bytes=original.slot_bytes, max_ring_slots=original.max_ring_slots,
-        max_ring_bytes=original.max_ring_bytes,
+        max_ring_bytes=original.max_ring_bytes, sample_parallel=sample_parallel,
+        prefetch_next_epoch=original.prefetch_next_epoch,
     )

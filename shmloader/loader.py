@@ -215,30 +215,24 @@ class ShmDataLoader(DataLoader[_T_co]):
         fields["_last_iterator"] = fields["_final_stats"] = None
         return fields
 
-    def __new__(cls, *args, **kwargs):
-        """A SampleParallelLoader for `sample_parallel=True` with workers (a loader without state)."""
-        num_workers = kwargs.get("num_workers", args[5] if len(args) > 5 else 0)
-        if cls is ShmDataLoader and kwargs.get("sample_parallel") and num_workers:
-            cls = SampleParallelLoader
-        return super().__new__(cls)
-
     def state_dict(self) -> dict:
         """Where the loader is in its epoch, to resume there later with load_state_dict(), in this
         process or another (torchdata's StatefulDataLoader contract; NOTE [ Resuming mid-epoch ]
         in state.py).  Before any iteration it starts the iterator that the next iter() uses."""
         if self.sample_parallel and self.num_workers > 0:
-            from .sample_parallel import refuse_state
+            from .sample_parallel import no_state
 
-            refuse_state("state_dict()")
+            return no_state()  # NOTE there
         return state.loader_state_dict(self)
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Make the next iter() resume from `state_dict` (from state_dict() of a loader built with
         the same arguments); a state it cannot resume from is a ValueError saying why."""
         if self.sample_parallel and self.num_workers > 0:
-            from .sample_parallel import refuse_state
+            from .sample_parallel import load_no_state
 
-            refuse_state("load_state_dict()")
+            load_no_state(state_dict)  # NOTE there
+            return
         state.load_loader_state(self, state_dict)
 
     def stats(self) -> LoaderStats | None:
@@ -247,17 +241,6 @@ class ShmDataLoader(DataLoader[_T_co]):
         if iterator is not None and not iterator._shutdown:
             return iterator.stats()
         return self._final_stats
-
-
-class SampleParallelLoader(ShmDataLoader):
-    """What `ShmDataLoader(..., sample_parallel=True)` makes when it has workers: a ShmDataLoader
-    with no loader state yet in this mode.  `state_dict` and `load_state_dict` are None, the
-    typing convention for methods a class does not have, so that Lightning (whose checkpoints save
-    the state of every loader that has these methods) and other Protocol checks treat it as
-    torch's DataLoader, which has none, instead of calling a method that can only refuse."""
-
-    state_dict = None  # type: ignore[assignment]
-    load_state_dict = None  # type: ignore[assignment]
 
 
 class _Failure:

@@ -92,7 +92,7 @@ NOTE [ Rows born in place ]
   as the default mode does (there is nothing to spread).  persistent_workers, timeout,
   pin_memory (the slots are page-locked as in the default mode), held batches (list(loader):
   NOTE [ Held batches ] in ring.py) and stats() work as in the default mode (stats().timing is
-  None; in_place_bytes counts rows born in place); in_order=False delivers in order anyway; state_dict() / load_state_dict() raise.
+  None; in_place_bytes counts rows born in place); in_order=False delivers in order anyway; no loader state (state_dict() says so, load_state_dict() warns and starts afresh: below).
 """
 
 from __future__ import annotations
@@ -100,6 +100,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
+import warnings
 
 import torch
 from torch.utils.data import IterableDataset, default_collate
@@ -152,9 +153,24 @@ def check_loader(loader) -> None:
                          "pass one of the two")
 
 
-def refuse_state(what: str) -> None:
-    raise ValueError(f"{what} is not supported with sample_parallel=True yet: {_USE_DEFAULT} to save "
-                     "and resume a loader mid-epoch")
+# No loader state in this mode yet.  state_dict() still answers, with a state that says so, because
+# the integrations call it on every loader that has it (Lightning's checkpoints through a Protocol
+# check, accelerate's DataLoaderShard on each batch through hasattr): a method that raised would
+# stop their training.  load_state_dict() of any state warns that the loader starts afresh, which
+# is what they do with torch's DataLoader, which has no state.
+_NO_STATE = "shmloader sample_parallel: no loader state"
+
+
+def no_state() -> dict:
+    return {"kind": _NO_STATE}
+
+
+def load_no_state(saved: dict) -> None:
+    if saved == {}:
+        return  # torchdata's "start afresh"
+    warnings.warn(f"sample_parallel=True keeps no loader state yet, so the loader cannot resume where "
+                  f"it was saved: its next iter() starts an epoch afresh, as torch's DataLoader "
+                  f"does; {_USE_DEFAULT} to save and resume mid-epoch", stacklevel=3)
 
 
 def _first_worker(idx: int, size: int, num_workers: int) -> int:

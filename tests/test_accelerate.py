@@ -89,3 +89,18 @@ def test_one_process(accelerate, tmp_path, no_leaks):
 def test_two_processes_under_torchrun(accelerate, tmp_path):
     run_python("-m", "tests._accelerate_script", str(tmp_path), torchrun_ranks=2)
     check_shards([json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)])
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("mode", [dict(sample_parallel=True),
+                                  dict(prefetch_next_epoch=True, persistent_workers=True)])
+def test_prepare_keeps_the_loaders_mode(accelerate, no_leaks, mode):
+    """The rebuilt loader runs in the mode the user chose, as it keeps the slot arguments."""
+    accelerator = accelerate.Accelerator(cpu=True)
+    dataset = ds.ArrayDataset(n=8)
+    loader = ShmDataLoader(dataset, batch_size=4, num_workers=2, **mode)
+    kept = shmloader.accelerate_prepare(accelerator, loader)
+    base = kept.base_dataloader
+    assert all(getattr(base, name) == value for name, value in mode.items()), vars(base)
+    assert [b.tolist() for b in kept] == [b.tolist() for b in DataLoader(dataset, batch_size=4)]
+    del kept, base, loader

@@ -128,8 +128,8 @@ class ImagesAndLabels(torch.utils.data.Dataset):
 @pytest.mark.timeout(120)
 def test_fit_with_sample_parallel_and_lightnings_default_checkpointing(L, tmp_path, no_leaks):
     """Lightning saves the state of every loader that has state_dict/load_state_dict in the
-    checkpoint it writes after each epoch; a sample_parallel loader has none yet, and must be
-    treated as torch's DataLoader (no state), not fail fit() at the end of epoch 0."""
+    checkpoint it writes after each epoch; a sample_parallel loader has none yet and says so,
+    rather than fail fit() at the end of epoch 0."""
     dataset = ImagesAndLabels()
     train = ShmDataLoader(dataset, batch_size=4, shuffle=True, num_workers=2, generator=seeded(3),
                           sample_parallel=True)

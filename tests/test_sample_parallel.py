@@ -217,29 +217,22 @@ def test_what_the_mode_cannot_do_is_a_clear_error(make):
         make()
 
 
-def test_a_loader_without_state_is_seen_as_one_by_lightning_and_typing():
-    """No loader state in this mode yet: state_dict and load_state_dict are None (the typing
-    convention), so a Protocol check (Lightning's _Stateful) finds none, and the checkpoint
-    Lightning saves after each epoch does not call them."""
-    from typing import Protocol, runtime_checkable
-
-    @runtime_checkable
-    class Stateful(Protocol):
-        def state_dict(self): ...
-
-        def load_state_dict(self, state_dict): ...
-
+def test_state_dict_says_there_is_none_and_loading_it_starts_afresh_with_a_warning():
+    """No loader state in this mode yet. state_dict() answers (Lightning's checkpoints and
+    accelerate's DataLoaderShard call it on every loader that has it) with a state that says so;
+    loading any state warns that the loader starts an epoch afresh, as torch's DataLoader does."""
     loader = ShmDataLoader(Arrays(), batch_size=2, num_workers=2, sample_parallel=True)
-    assert isinstance(loader, ShmDataLoader) and loader.sample_parallel
-    assert loader.state_dict is None and loader.load_state_dict is None
-    assert not isinstance(loader, Stateful)
-    assert isinstance(ShmDataLoader(Arrays(), batch_size=2, num_workers=2), Stateful)
-    assert isinstance(ShmDataLoader(Arrays(), batch_size=2, sample_parallel=True), Stateful)  # in process
-    with pytest.raises(ValueError, match="state_dict"):
-        ShmDataLoader.state_dict(loader)  # the method itself still says why
-    again = pickle.loads(pickle.dumps(copy.deepcopy(loader)))
-    assert type(again) is type(loader) and again.state_dict is None
+    it = iter(loader)
+    next(it)
+    saved = loader.state_dict()
+    assert "no loader state" in saved["kind"]
+    del it
+    again = ShmDataLoader(Arrays(), batch_size=2, num_workers=2, sample_parallel=True)
+    with pytest.warns(UserWarning, match="keeps no loader state yet.*starts an epoch afresh"):
+        again.load_state_dict(pickle.loads(pickle.dumps(saved)))
     assert_same_batches(collect(again), collect(DataLoader(Arrays(), batch_size=2)))
+    again.load_state_dict({})  # torchdata's "start afresh": no warning
+    copy.deepcopy(again)
 
 
 def test_prefetch_next_epoch_is_refused_with_a_clear_error():
