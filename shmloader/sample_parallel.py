@@ -34,8 +34,7 @@ NOTE [ Samples of one batch over the workers ]
   that batch raises its error at its turn and the schema is learnt from the next batch; if the
   sample cannot be written row by row (RowsUnsupportedError: a str, None, a tensor subclass...),
   that error is raised at the first batch's turn and the loader is shut down (the error says to
-  use the default mode).  A later sample of another structure or shape raises BatchShapeError at
-  its batch's turn (as torch's default_collate raises), and the epoch goes on.  An array or
+  use the default mode).  Batches of another shape than the schema's: NOTE [ A new shape ].  An array or
   tensor of another dtype is cast into the batch as torch's default_collate in a worker casts it
   (torch.stack into an out= of sample 0's dtype), or raises torch's error where that stack
   refuses; a number of another type (a float among int labels) raises BatchShapeError, since
@@ -52,6 +51,22 @@ NOTE [ Samples of one batch over the workers ]
   base_seed).  The random numbers therefore differ from those of torch's DataLoader or the
   default mode, which seed each worker once; data that draw no random numbers are identical.
   get_worker_info() and worker_init_fn behave as in the default mode (the worker's own seed).
+
+NOTE [ A new shape ]
+  torch collates each batch on its own, so batches may differ in shape or structure as long as
+  the samples of one batch agree (multi-resolution training, buckets of lengths, a dict with
+  other keys).  Batches are sent with the last schema learnt; a batch whose rows do not fit it
+  (a BatchShapeError or MissingKeyError from a row) is learnt again: its slot goes back, its row
+  0 is fetched again by its first worker (seeded as that row, so the same sample), and if that
+  gives another layout, the batch is sent again with it, and so are the batches after it.  If
+  it gives the same layout, the rows disagree among themselves and the batch raises the row's
+  error at its turn (as torch's default_collate raises), and the epoch goes on.  Each batch
+  keeps the _Schemas it is written in; before the rows of a batch whose layout is not the one
+  the workers were sent last, every worker is sent it (Schema), so a worker always writes a
+  batch in that batch's layout.  Cost: at each change of shape, the rows fetched before the
+  mismatch was found (about one per worker) and row 0 are fetched again, and the batch waits
+  for a round trip; `__getitem__` is called twice for those indices.  A dataset whose shape
+  changes at every batch is better served by the default mode.
 
 NOTE [ The first batch first ]
   Until an epoch's first batch is delivered, only the batch being waited for may have a new slot
@@ -173,6 +188,18 @@ def load_no_state(saved: dict) -> None:
                   f"does; {_USE_DEFAULT} to save and resume mid-epoch", stacklevel=3)
 
 
+# A row of one of these did not fit its batch's layout (NOTE [ A new shape ])
+_SHAPE_ERRORS = ("BatchShapeError", "MissingKeyError")
+
+
+def _same_layout(a: rows.RowSchema, b: rows.RowSchema) -> bool:
+    """Whether two schemas lay out the same structure, shapes and dtypes (any batch size)."""
+    def rows_of(schema):  # a leaf's offset depends on the batch size
+        return [dataclasses.replace(leaf, offset=0) for leaf in schema.leaves]
+
+    return a.tree == b.tree and rows_of(a) == rows_of(b)
+
+
 def _first_worker(idx: int, size: int, num_workers: int) -> int:
     """The worker of batch `idx`'s first chunk (NOTE above): 0, or turns for a small batch."""
     return 0 if size >= num_workers else idx % num_workers
@@ -253,8 +280,7 @@ class _RowsWorker:
         except Exception as exc:
             worker.channel.send(Failed(epoch, idx, stage, exception_payload(exc)))
             return
-        self.schemas = _Schemas(schema)
-        self.kept = (epoch, idx, sample)
+        self.kept = (epoch, idx, sample)  # (its layout comes back with the batch's rows)
         worker.channel.send(Schema(epoch, idx, schema.to_bytes()))
 
     def rows(self, worker, message: Rows, fds: list[int]) -> None:
@@ -328,7 +354,8 @@ def worker_handle(worker, message, fds: list[int]) -> None:
 class _Batch:
     """One batch drawn from the sampler, until it is delivered."""
 
-    __slots__ = ("epoch", "idx", "indices", "slot", "left", "first_row", "failure", "fatal", "done", "data")
+    __slots__ = ("epoch", "idx", "indices", "slot", "left", "first_row", "failure", "fatal", "done", "data",
+                 "schemas", "relearn", "relearnt")
 
     def __init__(self, epoch: int, idx: int, indices):
         self.epoch, self.idx, self.indices = epoch, idx, list(indices)
@@ -339,6 +366,9 @@ class _Batch:
         self.fatal = False  # its failure shuts the loader down (the schema cannot be learnt)
         self.done = False
         self.data = None
+        self.schemas: _Schemas | None = None  # the layout its rows are written in
+        self.relearn = False  # its rows did not fit the layout: row 0 is being learnt again
+        self.relearnt = False  # (once per batch: NOTE [ A new shape ])
 
 
 class _NotResumable:
@@ -354,7 +384,8 @@ class SampleParallelIter(_PoolIter):
         super().__init__(loader)
         self._resumable = _NotResumable()
         self._depth = max(2, loader.prefetch_factor)  # batches in flight
-        self._schemas: _Schemas | None = None
+        self._schemas: _Schemas | None = None  # the layout of the batches to come
+        self._sent_schemas: _Schemas | None = None  # the one the workers have (NOTE [ A new shape ])
         self._learning: tuple[int, int] | None = None  # (epoch, idx) whose row 0 is being learnt
         self._flight: dict[tuple[int, int], _Batch] = {}  # drawn, not delivered (stale epochs too)
         self._queue: list[_Batch] = []  # drawn, not yet sent to the workers
@@ -422,7 +453,7 @@ class SampleParallelIter(_PoolIter):
     def _dispatch(self, create: bool = True) -> None:
         while self._queue:
             batch = self._queue[0]
-            if self._schemas is None:
+            if self._schemas is None or batch.relearn:
                 if self._learning is None:
                     self._learning = (batch.epoch, batch.idx)
                     self._send(_first_worker(batch.idx, len(batch.indices), self._num_workers),
@@ -447,7 +478,9 @@ class SampleParallelIter(_PoolIter):
             return False
         slot = ring.take_free_slot(created_only=not create)
         generation, capacity, hint = ring.task_geometry(slot)
-        needed = self._schemas.get(len(batch.indices)).total_bytes
+        if batch.schemas is None:  # (a batch learnt again has its own: NOTE [ A new shape ])
+            batch.schemas = self._schemas
+        needed = batch.schemas.get(len(batch.indices)).total_bytes
         kept = (slot, generation) in self._kept_segments
         try:
             if capacity < needed or kept:  # (a kept segment stays with the worker's cache)
@@ -470,6 +503,11 @@ class SampleParallelIter(_PoolIter):
         return True
 
     def _send_rows(self, batch: _Batch) -> None:
+        if batch.schemas is not self._sent_schemas:  # the workers write in the layout sent last
+            message = Schema(batch.epoch, batch.idx, batch.schemas.any.to_bytes())
+            for worker_id in range(self._num_workers):
+                self._send(worker_id, message)
+            self._sent_schemas = batch.schemas
         slot = batch.slot
         generation, capacity, _ = self._ring.task_geometry(slot)
         size = len(batch.indices)
@@ -493,9 +531,18 @@ class SampleParallelIter(_PoolIter):
         kind = type(message)
         if kind is Schema:
             self._learning = None
-            self._schemas = _Schemas(rows.RowSchema.from_bytes(message.schema))
-            for other in range(self._num_workers):
-                self._send(other, message)
+            schema = rows.RowSchema.from_bytes(message.schema)
+            batch = self._flight.get((message.epoch, message.idx))
+            if batch is not None and batch.relearn:  # NOTE [ A new shape ]
+                batch.relearn = False
+                if _same_layout(batch.schemas.any, schema):
+                    self._queue.remove(batch)  # its rows disagree among themselves: its own error
+                    batch.done = True
+                    self._dispatch(create=self._rcvd_idx > 0)
+                    return
+                batch.failure = None
+                batch.schemas = _Schemas(schema)
+            self._schemas = batch.schemas if batch is not None and batch.schemas else _Schemas(schema)
             self._dispatch(create=self._rcvd_idx > 0)  # NOTE [ The first batch first ]
             return
         if kind is Fatal:
@@ -542,10 +589,16 @@ class SampleParallelIter(_PoolIter):
                 del self._flight[(batch.epoch, batch.idx)]
                 self._fill()
                 return
+            if not batch.relearnt and batch.failure.type_name in _SHAPE_ERRORS:  # NOTE [ A new shape ]
+                batch.slot, batch.first_row, batch.relearn, batch.relearnt = None, {}, True, True
+                later = [k for k, queued in enumerate(self._queue) if queued.idx > batch.idx]
+                self._queue.insert(later[0] if later else len(self._queue), batch)  # in order
+                self._dispatch()
+                return
             batch.data = batch.failure
         else:
             segment = self._ring.segment(batch.slot)
-            rows.publish_batch(segment, self._schemas.get(len(batch.indices)))
+            rows.publish_batch(segment, batch.schemas.get(len(batch.indices)))
             # A row that is an array the dataset keeps (Kept), which it may have changed since:
             # a copy, with the row as written (NOTE [ Rows born in place ]).
             batch.data = self._scheduler.deliver(batch.slot, batch.idx, restore=kept_rows)

@@ -403,3 +403,47 @@ def test_a_number_of_another_type_says_what_torch_would_do_and_what_to_do():
     with pytest.raises(BatchShapeError, match=r"expected int at batch\[1\] row 2, got float.*default mode"):
         next(it)
     del it, loader
+
+
+class ShapePerBatch(Dataset):
+    """Multi-resolution / bucketed batches: every sample of a batch has one shape, batches differ
+    (and so does the structure: a dict of another key set from index 24 on)."""
+
+    def __len__(self):
+        return 40
+
+    def __getitem__(self, i):
+        side = (8, 16, 8, 12, 12)[(i // 8) % 5]
+        image = torch.arange(3 * side * side, dtype=torch.float32).reshape(3, side, side) + i
+        if i >= 24:
+            return {"image": image, "extra": np.full(side, i, np.int16)}
+        return {"image": image, "label": i}
+
+
+@pytest.mark.parametrize("num_workers, persistent", [(2, False), (3, True)])
+def test_sample_shapes_that_change_from_batch_to_batch_are_torchs_batches(num_workers, persistent):
+    kwargs = dict(batch_size=8, num_workers=num_workers, persistent_workers=persistent)
+    loader = ShmDataLoader(ShapePerBatch(), sample_parallel=True, **kwargs)
+    want = collect(DataLoader(ShapePerBatch(), **kwargs))
+    for _ in range(2):
+        assert_same_batches(collect(loader), want)
+    shuffled = ShmDataLoader(ShapePerBatch(), sample_parallel=True, shuffle=True, generator=seeded(3),
+                             batch_sampler=None, batch_size=8, num_workers=num_workers)
+    with pytest.raises(BatchShapeError):  # shuffled, the samples of one batch disagree: torch raises too
+        collect(shuffled)
+
+
+class LabelTypePerBatch(Dataset):
+    """Batch 1's labels are all floats: torch makes that batch's labels float64."""
+
+    def __len__(self):
+        return 12
+
+    def __getitem__(self, i):
+        return np.zeros(3, np.float32), (i + 0.5 if 4 <= i < 8 else i)
+
+
+def test_a_batch_whose_numbers_are_of_another_type_is_torchs_batch():
+    kwargs = dict(batch_size=4, num_workers=2)
+    assert_same_batches(collect(ShmDataLoader(LabelTypePerBatch(), sample_parallel=True, **kwargs)),
+                        collect(DataLoader(LabelTypePerBatch(), **kwargs)))
