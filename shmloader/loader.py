@@ -199,8 +199,9 @@ class ShmDataLoader(DataLoader[_T_co]):
             return state.SingleProcessIter(self)  # in-process (torch's, resumable): nothing to transport
         self.check_worker_number_rationality()
         if self.sample_parallel:
-            from .sample_parallel import SampleParallelIter
+            from .sample_parallel import SampleParallelIter, check_loader
 
+            check_loader(self)  # again: torch lets collate_fn be set after construction
             iterator = SampleParallelIter(self)
         else:
             iterator = _ShmLoaderIter(self)

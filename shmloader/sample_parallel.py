@@ -151,7 +151,8 @@ _USE_DEFAULT = "use the default mode (sample_parallel=False)"
 
 
 def check_loader(loader) -> None:
-    """A clear ValueError, at construction, for what this mode cannot do."""
+    """A clear ValueError, at construction and when the workers start, for what this mode cannot
+    do (a collate_fn set after construction, as torch allows, is caught at iter())."""
     if isinstance(loader.dataset, IterableDataset):
         raise ValueError(
             f"sample_parallel=True needs a map-style dataset (it spreads the indices of each batch "

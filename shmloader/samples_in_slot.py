@@ -107,7 +107,8 @@ def row_target(sample, batch_size: int) -> RowTarget | None:
     """Where layout.plan_batch puts the rows of the largest array leaf of torch's default_collate
     of `batch_size` samples shaped like `sample`; None if no leaf has IN_PLACE_MIN_BYTES a row or
     such a batch cannot be collated."""
-    if not any(type(leaf) in (np.ndarray, torch.Tensor) and leaf.nbytes >= IN_PLACE_MIN_BYTES
+    if not any((type(leaf) is np.ndarray or (type(leaf) is torch.Tensor and leaf.layout == torch.strided))
+               and leaf.nbytes >= IN_PLACE_MIN_BYTES  # (a sparse tensor has no nbytes)
                for _, leaf in layout.iter_leaves(sample)):
         return None  # (cheap: most samples of small datasets end here)
     try:

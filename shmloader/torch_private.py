@@ -33,6 +33,7 @@ InfiniteConstantSampler = _InfiniteConstantSampler  # the index sampler of an it
 # The collate machinery: torch's `collate` with a handler map, as default_collate runs it.
 collate = _collate.collate
 default_collate_fn_map = _collate.default_collate_fn_map  # type -> handler; workers patch Tensor's
+TORCH_COLLATE_TENSOR = _collate.collate_tensor_fn  # torch's tensor handler, before that patch
 np_str_obj_array_pattern = _collate.np_str_obj_array_pattern  # numpy dtypes torch refuses
 default_collate_err_msg_format = _collate.default_collate_err_msg_format
 

@@ -219,7 +219,7 @@ def _collate_tensors_without_shm(batch, *, collate_fn_map=None):
     return torch.stack(batch, 0, out=out)
 
 
-_TORCH_COLLATE_TENSOR = torch_private.default_collate_fn_map[torch.Tensor]
+_TORCH_COLLATE_TENSOR = torch_private.TORCH_COLLATE_TENSOR
 
 
 def _watch_main_process(main_pid: int) -> None:

@@ -589,6 +589,8 @@ def test_sparse_nested_and_meta_tensors_as_torch_delivers_them(make, collate_fn)
     except Exception as exc:
         got = first_error(shm)
         assert isinstance(got, type(exc)), f"{type(got).__name__}: {got} is not torch's {type(exc).__name__}"
+        advice = str(exc).strip().splitlines()[-1]  # torch's message ("... please provide a custom collate_fn")
+        assert advice in str(got) and "while collating" in str(got), f"{got} does not say {advice!r}"
         return
     assert [_described(batch) for batch in shm] == want
 

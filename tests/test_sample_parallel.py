@@ -217,6 +217,13 @@ def test_what_the_mode_cannot_do_is_a_clear_error(make):
         make()
 
 
+def test_a_collate_fn_set_after_construction_is_the_same_clear_error_at_iter():
+    loader = ShmDataLoader(Arrays(), batch_size=2, num_workers=2, sample_parallel=True)
+    loader.collate_fn = lambda batch: batch  # torch's DataLoader allows it, and uses it
+    with pytest.raises(ValueError, match=r"collate_fn.*use the default mode \(sample_parallel=False\)"):
+        iter(loader)
+
+
 def test_state_dict_says_there_is_none_and_loading_it_starts_afresh_with_a_warning():
     """No loader state in this mode yet. state_dict() answers (Lightning's checkpoints and
     accelerate's DataLoaderShard call it on every loader that has it) with a state that says so;
