@@ -244,6 +244,11 @@ class ShmDataLoader(DataLoader[_T_co]):
         return self._final_stats
 
 
+# What a LoaderTimeoutError adds: torch's iterator survives its timeout, and so does ours.
+TIMEOUT_ADVICE = ("the workers go on: next() waits for it again, as torch's DataLoader does "
+                  "(drop the iterator to stop them)")
+
+
 class _Failure:
     """A worker's exception, to be raised when its batch's turn comes (as torch does)."""
 
@@ -500,7 +505,11 @@ class _ShmLoaderIter(_PoolIter):
             self._send_resume(self._epoch)
             # Stale results of the last epoch arrive before each worker's Resumed and free
             # their slots here.
-            self._wait_for_event(until=lambda: self._resumed[self._epoch] >= self._num_workers)
+            try:
+                self._wait_for_event(until=lambda: self._resumed[self._epoch] >= self._num_workers)
+            except LoaderTimeoutError as error:  # half way through the reset: no going on
+                self._break(error)
+                raise
         # The last epoch's forecast, taken aside: a short epoch may make the next one's during
         # this very prime.
         ahead, self._ahead, self._ahead_tried = self._ahead, None, False
@@ -645,7 +654,9 @@ class _ShmLoaderIter(_PoolIter):
             data = self._next_data_inner()
         except StopIteration:
             raise
-        except BaseException as exc:  # a dead worker, a timeout, Ctrl-C, a protocol error
+        except LoaderTimeoutError:
+            raise  # the iterator goes on: the next next() waits again, as torch's does
+        except BaseException as exc:  # a dead worker, Ctrl-C, a protocol error
             self._break(exc)
             raise
         self._clock.end(start)
@@ -756,12 +767,9 @@ class _ShmLoaderIter(_PoolIter):
                 return None
             if deadline is not None and time.monotonic() >= deadline:
                 waiting_on = self._task_info.get(self._rcvd_idx, (None,))[0]
-                error = LoaderTimeoutError(
+                raise LoaderTimeoutError(
                     f"DataLoader timed out after {self._timeout} seconds waiting for batch "
-                    f"{self._rcvd_idx} (worker {waiting_on}); the loader has been shut down"
-                )
-                self._break(error)
-                raise error
+                    f"{self._rcvd_idx} (worker {waiting_on}); {TIMEOUT_ADVICE}")
 
     def _read_ahead(self) -> None:
         """Handle every message already waiting (no blocking), so that slots come back and are

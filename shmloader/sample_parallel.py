@@ -123,7 +123,7 @@ from torch.utils.data import IterableDataset, default_collate
 from . import rows
 from ._ring import HEADER_BYTES, SlotArena
 from .errors import LoaderTimeoutError, SlotProtocolError
-from .loader import POLL_SECONDS, LoaderStats, _Failure, _PoolIter
+from .loader import POLL_SECONDS, TIMEOUT_ADVICE, LoaderStats, _Failure, _PoolIter
 from .pool import Poller, WorkerPool
 from .protocol import (
     FETCHING,
@@ -611,8 +611,8 @@ class SampleParallelIter(_PoolIter):
         self._check_open()  # NOTE [ Shutdown ] in pool.py
         try:
             batch = self._next_batch()
-        except StopIteration:
-            raise
+        except (StopIteration, LoaderTimeoutError):
+            raise  # after a timeout the next next() waits again, as torch's does
         except BaseException as exc:
             self._break(exc)
             raise
@@ -650,7 +650,7 @@ class SampleParallelIter(_PoolIter):
             if not self._read(wait) and deadline is not None and time.monotonic() >= deadline:
                 raise LoaderTimeoutError(
                     f"DataLoader timed out after {self._timeout} seconds waiting for batch "
-                    f"{self._rcvd_idx}; the loader has been shut down")
+                    f"{self._rcvd_idx}; {TIMEOUT_ADVICE}")
 
     def _read(self, wait: float) -> int:
         """Handle the messages waiting (waiting up to `wait` for one); a dead worker raises."""

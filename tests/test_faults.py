@@ -20,8 +20,10 @@ import threading
 import time
 
 import pytest
+import torch
+from torch.utils.data import DataLoader, Dataset
 
-from shmloader import LoaderTimeoutError, WorkerDiedError
+from shmloader import LoaderTimeoutError, ShmDataLoader, WorkerDiedError
 from shmloader.errors import RemoteTraceback
 from tests import _faulty
 from tests.conftest import pid_gone, wait_until
@@ -172,8 +174,43 @@ def test_hang_with_timeout_raises(where, start_method, tmp_path):
     assert f"worker {_faulty.TARGET_WORKER}" in r["message"]
     assert r["raised_at"] - started >= timeout
     assert r["raised_at"] - r["fault_at"] < timeout + REPORT_WITHIN
-    assert r["shut_down_at_once"]
-    _check_gone(r["pids"])
+    assert not r["shut_down_at_once"], "torch's iterator survives a timeout: so must ours"
+    _check_gone(r["pids"])  # once the iterator is dropped
+
+
+class SlowOnce(Dataset):
+    """Index 8 takes 2 s (a storage hiccup); the rest are instant."""
+
+    def __len__(self):
+        return 16
+
+    def __getitem__(self, i):
+        if i == 8:
+            time.sleep(2)
+        return torch.full((3,), i)
+
+
+def _next_or_timeout(iterator):
+    try:
+        return next(iterator)[0, 0].item()
+    except StopIteration:
+        return "end"
+    except RuntimeError as exc:  # torch's RuntimeError; LoaderTimeoutError is one
+        assert "timed out after 1 seconds" in str(exc), exc
+        return "timeout"
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("kwargs", [{}, {"persistent_workers": True}, {"sample_parallel": True}],
+                         ids=["default", "persistent", "sample_parallel"])
+def test_after_a_timeout_the_loop_can_go_on_as_with_torch(kwargs):
+    def run(cls, **extra):
+        iterator = iter(cls(SlowOnce(), batch_size=4, num_workers=2, timeout=1, **extra))
+        return [_next_or_timeout(iterator) for _ in range(6)]
+
+    want = run(DataLoader, persistent_workers=kwargs.get("persistent_workers", False))
+    assert "timeout" in want and want[-1] == "end", want
+    assert run(ShmDataLoader, **kwargs) == want
 
 
 @pytest.mark.timeout(60)
