@@ -64,7 +64,7 @@ class RingFullError(ShmLoaderError, RuntimeError):
 
 
 class LoaderBrokenError(ShmLoaderError, RuntimeError):
-    """next() on an iterator that an earlier error shut down (a dead worker, a timeout, Ctrl-C,
+    """next() on an iterator that an earlier error shut down (a dead worker, Ctrl-C,
     a protocol error), naming that error.  An iterator that simply ended raises StopIteration."""
 
 
