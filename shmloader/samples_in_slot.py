@@ -53,16 +53,6 @@ NOTE [ Samples born in the slot ]
   little room for small temporaries.  Kept arrays are handled as for the collate_fn's own (the
   batch moved).
 
-  Samples before the grant.  The samples fetched before a grant comes (sample 0, an iterable's
-  last, and every one while the worker waits for a slot: at 8 workers a worker ahead of the loop
-  waits for the slot the loop gives back, NOTE [ Slots the loop gives back ] in scheduler.py)
-  are made on the heap and copied in.  A worker keeps freed heap memory for its next batch
-  (heap.py), right where the heap is where its samples live; here it would keep, for good, the
-  largest share of a batch it ever fetched so, in every worker (up to 145 MiB each for the
-  forum's batches at 8 workers), where torch's worker frees its batch.  So a batch with at least
-  HEAP_RELEASE_MIN_BYTES of such samples gives the heap's free memory back once it is sent
-  (malloc_trim, about 2 ms; the next such samples fault their pages in again, as torch's do).
-
   When it stops.  A sample with no array leaf of at least IN_PLACE_MIN_BYTES a row, or a batch
   in which no arena was taken (the dataset returns arrays it made before: nothing to gain), turns
   it off for that worker.  SHMLOADER_SLOT_ARENA=0 turns it off everywhere, with the collate_fn
@@ -82,16 +72,6 @@ from ._ring import SlotArena
 from .rows import IN_PLACE_MIN_BYTES
 
 LEARN_BATCHES = 2  # custom collate_fn: batches watched for samples passed through
-# A batch that had at least this many bytes of samples fetched on the heap (no grant yet) gives
-# the heap's free memory back once it is sent (NOTE above, "Samples before the grant").
-HEAP_RELEASE_MIN_BYTES = 8 << 20
-
-
-def release_heap_after(heap_bytes: int) -> None:
-    """The batch is sent: give the heap memory its samples fetched before the grant took back to
-    the OS, if that was much (NOTE [ Samples born in the slot ], "Samples before the grant")."""
-    if heap_bytes >= HEAP_RELEASE_MIN_BYTES:
-        heap.release_free_memory()
 
 
 @dataclass(frozen=True)
@@ -138,7 +118,6 @@ class SamplesInSlot:
         self.segment = None
         self.target: RowTarget | None = None
         self.arenas: list = []
-        self.heap_bytes = 0  # of the rows fetched on the heap while fetching in place (NOTE above)
 
     def wanted(self, fetcher) -> bool:
         return self.on and torch_private.fetches_one_by_one(fetcher)
@@ -163,15 +142,7 @@ class SamplesInSlot:
             self.arenas.append(arena)
             return arena
 
-        samples = torch_private.fetch_each(worker.fetcher, index, around_sample)
-        if self.on and self.target is not None:
-            self.heap_bytes = (len(samples) - len(self.arenas)) * self.target.row_nbytes
-        return samples
-
-    def after_batch(self, payload_bytes: int) -> None:
-        """The batch is sent (NOTE above, "Samples before the grant")."""
-        heap_bytes, self.heap_bytes = self.heap_bytes, 0
-        release_heap_after(heap_bytes)
+        return torch_private.fetch_each(worker.fetcher, index, around_sample)
 
     def _take_slot(self, worker) -> bool:
         """Take the slot of a grant in hand or waiting on the socket for this batch, if any."""
@@ -217,7 +188,6 @@ class SamplesInArena:
         self.grant = None
         self.arena = None  # the slot arena the samples were fetched in (the collate_fn's too)
         self.fresh = None
-        self.heap_share = 0.0  # of the samples, fetched on the heap while fetching in the arena
 
     def wanted(self, fetcher) -> bool:
         return self.on and torch_private.fetches_one_by_one(fetcher)
@@ -235,16 +205,9 @@ class SamplesInArena:
                 self.grant = worker.grant_now()
                 if self.grant is not None:
                     self.arena, self.fresh = worker.slot_arena(self.grant)
-                    on_heap[0] = k
             return self.arena
 
-        on_heap = [len(index)]  # samples fetched before the grant: all of them until it comes
-        samples = torch_private.fetch_each(worker.fetcher, index, around_sample)
-        count = len(samples)
-        if count:
-            before = min(on_heap[0], count)
-            self.heap_share = min(count, before + (self.iterable and before < count)) / count
-        return samples
+        return torch_private.fetch_each(worker.fetcher, index, around_sample)
 
     def watch(self, samples) -> set[int] | None:
         """Before the collate_fn runs: the ids of the samples' large arrays, while still learning
@@ -268,13 +231,9 @@ class SamplesInArena:
         if 2 * passed >= plan.total_bytes:
             self.on, self.watching, self.heap_to_release = True, 0, True
 
-    def after_batch(self, payload_bytes: int) -> None:
+    def after_batch(self) -> None:
         """The batch is sent: once the worker fetches into slots, the heap memory its earlier
-        batches' samples took goes back to the OS (heap.py), and so does what this batch's samples
-        fetched before the grant took (NOTE above, "Samples before the grant")."""
-        heap_share, self.heap_share = self.heap_share, 0.0
+        batches' samples took goes back to the OS (heap.py)."""
         if self.heap_to_release:
             self.heap_to_release = False
             heap.release_free_memory()
-        elif self.on:
-            release_heap_after(int(heap_share * payload_bytes))
