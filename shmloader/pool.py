@@ -29,6 +29,7 @@ from . import diagnosis
 from .channel import Channel, ChannelClosed
 from .crashlog import CrashLog
 from .errors import WorkerDiedError
+from .ownership import no_collection_across_fork
 from .protocol import (
     BOOTING,
     PROTOCOL_VERSION,
@@ -122,7 +123,8 @@ class WorkerPool:
         process = context.Process(target=worker_main, args=(spec, child_sock),
                                   name=f"shmloader-worker-{worker_id}", daemon=True)
         try:
-            process.start()
+            with no_collection_across_fork():
+                process.start()
         finally:
             child_sock.close()
         self.processes.append(process)

@@ -42,7 +42,7 @@ from . import heap, layout, protocol, torch_private
 from .arena import SlotTensorMode, empty_tensor
 from .channel import Channel, ChannelClosed
 from .errors import SlotProtocolError
-from .ownership import close_parent_only_in_child
+from .ownership import close_parent_only_in_child, freeze_inherited_objects
 from .protocol import (
     AWAITING_SLOT,
     BOOTING,
@@ -244,6 +244,7 @@ def _watch_main_process(main_pid: int) -> None:
 def worker_main(spec: WorkerSpec, sock) -> None:
     """Entry point of a worker process (any start method)."""
     if spec.forked:
+        freeze_inherited_objects()  # NOTE [ The parent's garbage ]
         close_parent_only_in_child()
     heap.keep_freed_memory()
     try:

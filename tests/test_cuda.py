@@ -58,6 +58,15 @@ class Items(Dataset):
         return {"image": np.full(size // 4, i, dtype=np.float32), "label": i, "name": f"item{i}"}
 
 
+class Numeric(Items):
+    """Items without the string (sample_parallel stacks every leaf)."""
+
+    def __getitem__(self, i):
+        item = super().__getitem__(i)
+        del item["name"]
+        return item
+
+
 class Filled(Dataset):
     """Item i: `nbytes` of uint8 all equal to i % 251 (a batch's bytes name its batch)."""
 
@@ -712,3 +721,92 @@ def test_cuda_no_leak_of_registrations_or_gpu_memory_across_epochs():
         assert shm_cuda.live_registrations() == {}
         assert torch.cuda.memory_allocated() == base
 
+
+
+def _stack_rows(samples):
+    """A numpy collate as users write it."""
+    return np.stack(samples)
+
+
+@cuda_test
+@pytest.mark.timeout(300)
+def test_cuda_numpy_collate_slots_are_pinned_and_plain_copies_are_fenced():
+    """A user's `np.stack` collate: the arrays come back as numpy views onto the slot; the slot is
+    page-locked, and `torch.from_numpy(batch).to('cuda', non_blocking=True)` queued behind compute
+    still gets its own batch's bytes (the release fence covers the slot whatever wraps it)."""
+    ds = Filled(24, 8 << 20)
+    loader = _gpu_loader(ds, batch_size=2, num_workers=2, prefetch_factor=1, collate_fn=_stack_rows)
+    results = []
+    for n, batch in enumerate(loader):
+        assert isinstance(batch, np.ndarray)
+        host = torch.from_numpy(batch)
+        assert host.is_pinned()
+        torch.cuda._sleep(50_000_000)
+        results.append((n, host.to("cuda", non_blocking=True)))
+        del batch, host
+    for n, x in results:
+        expected = torch.tensor([(2 * n) % 251, (2 * n + 1) % 251], device="cuda", dtype=torch.uint8)
+        assert bool((x == expected[:, None]).all()), f"batch {n} overwritten"
+    gc.collect()
+    assert shm_cuda.live_registrations() == {}
+
+
+@cuda_test
+@pytest.mark.timeout(300)
+def test_cuda_sample_parallel_batches_through_the_prefetcher():
+    """sample_parallel=True with pin_memory: rows written by several workers into one pinned slot
+    arrive on the GPU bit for bit as torch's batches."""
+    ds = Numeric(48, nbytes=1 << 18)
+    loader = _gpu_loader(ds, batch_size=8, num_workers=3, sample_parallel=True)
+    want = list(DataLoader(ds, batch_size=8))
+    for _ in range(2):
+        got = list(CudaPrefetcher(loader, device="cuda", depth=2))
+        assert len(got) == len(want)
+        for g, w in zip(got, want):
+            assert g["image"].is_cuda and torch.equal(g["image"].cpu(), w["image"])
+            assert torch.equal(g["label"].cpu(), w["label"])
+    gc.collect()
+    torch.cuda.synchronize()
+    assert shm_cuda.live_registrations() == {}
+
+
+class _Collects(Dataset):
+    """Each item runs the garbage collector in the worker, as any allocation-heavy item may."""
+
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, i):
+        gc.collect()
+        return torch.full((1024,), float(i))
+
+
+class _Cycle:
+    def __init__(self, tensor):
+        self.tensor, self.me = tensor, self
+
+
+@cuda_test
+@pytest.mark.timeout(300)
+def test_cuda_garbage_of_the_training_loop_is_not_freed_in_forked_workers():
+    """CUDA tensors left in reference cycles by the loop (record_stream'd, as CudaPrefetcher's
+    batches are) when forked workers start: freed in a worker they abort it ('CUDA error:
+    initialization error', SIGABRT); they must stay the training process's to free."""
+    side = torch.cuda.Stream()
+    gc.collect()
+    gc.disable()
+    try:
+        for _ in range(4):
+            x = torch.ones(1 << 20, device="cuda")
+            x.record_stream(side)
+            _Cycle(x)
+        del x
+        loader = ShmDataLoader(_Collects(), batch_size=2, num_workers=2, multiprocessing_context="fork")
+        it = iter(loader)
+    finally:
+        gc.enable()
+    got = [b.clone() for b in it]
+    assert len(got) == 4 and all(torch.equal(a, b) for a, b in zip(got, DataLoader(_Collects(), batch_size=2)))
+    del it, loader
+    gc.collect()
+    torch.cuda.synchronize()

@@ -84,3 +84,61 @@ def test_a_child_that_exits_through_the_garbage_collector_stops_none_of_the_pare
     assert _in_child(child) == 0
     assert all(p.is_alive() for p in loader._iterator._workers)
     assert len(list(loader)) == 10
+
+
+# == the parent's garbage (NOTE [ The parent's garbage ] in ownership.py) ===========================
+
+
+class _Finalized:
+    """In a reference cycle; its finalizer reports the pid it ran in through a pipe."""
+
+    def __init__(self, write_fd: int):
+        self.write_fd, self.me = write_fd, self
+
+    def __del__(self):
+        os.write(self.write_fd, f"{os.getpid()}\n".encode())
+
+
+class _Collecting(torch.utils.data.Dataset):
+    """Each item runs the garbage collector in the worker, as any allocation-heavy item may."""
+
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, i):
+        import gc
+
+        gc.collect()
+        return torch.full((4,), float(i))
+
+
+@pytest.mark.parametrize("sample_parallel", [False, True])
+def test_a_forked_worker_never_finalizes_the_parents_garbage(sample_parallel):
+    """Cyclic garbage the training loop left behind (on a GPU: CUDA tensors, whose free aborts a
+    forked worker) is finalized in the training process only, never in a worker."""
+    import gc
+
+    read_fd, write_fd = os.pipe()
+    os.set_blocking(read_fd, False)
+    try:
+        gc.collect()
+        gc.disable()  # keep the cycle uncollected until the workers are forked
+        try:
+            _Finalized(write_fd)  # unreachable at once: garbage in a cycle
+            loader = ShmDataLoader(_Collecting(), batch_size=2, num_workers=2,
+                                   multiprocessing_context="fork", sample_parallel=sample_parallel)
+            it = iter(loader)
+        finally:
+            gc.enable()
+        got = [b.clone() for b in it]
+        del it, loader
+        assert all(torch.equal(a, b) for a, b in zip(got, DataLoader(_Collecting(), batch_size=2)))
+        gc.collect()  # now the training process finalizes it, once
+        try:
+            pids = os.read(read_fd, 4096).decode().split()
+        except BlockingIOError:
+            pids = []
+        assert pids == [str(os.getpid())], f"finalized in {pids}, the training process is {os.getpid()}"
+    finally:
+        os.close(read_fd)
+        os.close(write_fd)

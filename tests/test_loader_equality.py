@@ -389,6 +389,7 @@ def test_context_object_instead_of_a_name():
 # -- other arguments --------------------------------------------------------------------------------------
 
 
+@pytest.mark.skipif(torch.accelerator.is_available(), reason="checks the behaviour without an accelerator")
 def test_pin_memory_without_accelerator_matches_torch():
     with pytest.warns(UserWarning):
         shm = ShmDataLoader(ds.DictDataset(n=9), batch_size=4, num_workers=2, pin_memory=True)
