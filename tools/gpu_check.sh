@@ -16,14 +16,12 @@ python3 -c "import sys, torch, numpy; print(sys.version.split()[0], 'torch', tor
 python3 -c "import shmloader._ring" 2>/dev/null || python3 setup.py -q build_ext --inplace
 python3 -c "import shmloader; print('shmloader', shmloader.__version__)" || exit 1
 timeout "${TEST_SECONDS:-240}" python3 -m pytest -q -ra -p no:cacheprovider \
-    tests/test_cuda.py tests/test_layout.py tests/test_loader_equality.py -k "cuda or pin" 2>&1 \
+    tests/test_cuda.py tests/test_cuda_integrations.py tests/test_layout.py tests/test_loader_equality.py \
+    -k "cuda or pin" 2>&1 \
     | tee "$OUT/pytest.log" | tail -25
+timeout 120 python3 tools/gpu_probes.py 2>&1 | tee "$OUT/probes.log"
+[ -n "${SKIP_BENCH:-}" ] && exit 0
 timeout "${BENCH_SECONDS:-240}" python3 -m bench.gpu --out "$OUT" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench-gpu.log"
 # compute sized well above what the workers need per batch, so that the step shows whether the
 # copy hides behind compute (at ratio 1 the four workers, not the copy, set the pace)
 timeout "${BENCH_SECONDS:-240}" python3 -m bench.gpu --out "$OUT" --compute-ratio 8 --workers 8 2>&1 | tee "$OUT/bench-gpu-ratio8.log"
-# a probe against an older copy of the package, where one is carried in .oldsrc/
-if [ -f .oldsrc/garbage_probe.py ]; then
-    (cd .oldsrc && timeout 60 python3 garbage_probe.py 2>&1 | grep -E "shmloader from|OK|FAILED")
-    timeout 60 python3 -c "exec(open('.oldsrc/garbage_probe.py').read())" 2>&1 | grep -E "shmloader from|OK|FAILED"
-fi
