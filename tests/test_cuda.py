@@ -810,3 +810,88 @@ def test_cuda_garbage_of_the_training_loop_is_not_freed_in_forked_workers():
     del it, loader
     gc.collect()
     torch.cuda.synchronize()
+
+
+# == the other ways users run the GPU path ==========================================================
+
+
+def _same_on_gpu(got, want):
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        assert g["image"].is_cuda and torch.equal(g["image"].cpu(), w["image"])
+        assert torch.equal(g["label"].cpu(), w["label"]) and g["name"] == w["name"]
+
+
+@cuda_test
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("context", ["spawn", "forkserver"])
+def test_cuda_pinned_slots_under_other_start_methods(context):
+    """CUDA is initialized in the training process; spawn and forkserver workers (what a dataset
+    that touches CUDA needs) write into slots the training process page-locked."""
+    ds = Items(24, nbytes=1 << 18)
+    loader = _gpu_loader(ds, batch_size=4, multiprocessing_context=context, persistent_workers=True)
+    want = list(DataLoader(ds, batch_size=4))
+    for _ in range(2):
+        _same_on_gpu(list(CudaPrefetcher(loader, device="cuda")), want)
+    it = iter(loader)
+    assert all(b["image"].is_pinned() for b in it)
+    del it, loader
+    gc.collect()
+    assert shm_cuda.live_registrations() == {}
+
+
+@cuda_test
+@pytest.mark.timeout(300)
+def test_cuda_held_pinned_batches_then_copied():
+    """list(loader) with pin_memory=True (more batches than the ring holds), then every batch to
+    the GPU: each is its own, and every registration is undone once they are dropped."""
+    ds = Items(64, nbytes=1 << 18)
+    loader = _gpu_loader(ds, batch_size=4, prefetch_factor=1)
+    held = list(loader)
+    assert len(held) == 16 and all(b["image"].is_pinned() for b in held)
+    on_gpu = [{**b, "image": b["image"].to("cuda", non_blocking=True),
+               "label": b["label"].to("cuda", non_blocking=True)} for b in held]
+    _same_on_gpu(on_gpu, list(DataLoader(ds, batch_size=4)))
+    del held, on_gpu, loader
+    gc.collect()
+    torch.cuda.synchronize()
+    assert shm_cuda.live_registrations() == {}
+
+
+@cuda_test
+@pytest.mark.timeout(300)
+def test_cuda_prefetch_next_epoch_and_shuffle():
+    ds = Items(40, nbytes=1 << 16)
+    kwargs = dict(batch_size=4, shuffle=True, num_workers=2, persistent_workers=True)
+    loader = ShmDataLoader(ds, generator=torch.Generator().manual_seed(7), pin_memory=True,
+                           prefetch_next_epoch=True, **kwargs)
+    ref = DataLoader(ds, generator=torch.Generator().manual_seed(7), **kwargs)
+    pf = CudaPrefetcher(loader, device="cuda")
+    for _ in range(3):
+        _same_on_gpu(list(pf), list(ref))
+
+
+@cuda_test
+@pytest.mark.timeout(300)
+def test_cuda_in_order_false_delivers_every_batch_once():
+    ds = Items(40, nbytes=1 << 16)
+    loader = _gpu_loader(ds, batch_size=4, num_workers=3, in_order=False)
+    labels = sorted(int(x) for b in CudaPrefetcher(loader, device="cuda") for x in b["label"].cpu())
+    assert labels == list(range(40))
+
+
+@cuda_test
+@pytest.mark.timeout(300)
+def test_cuda_worker_death_with_pinned_slots_leaves_no_registration():
+    from shmloader import WorkerDiedError
+
+    from ._datasets import KillSelfDataset
+
+    loader = _gpu_loader(KillSelfDataset(n=32, bad=9), batch_size=2, num_workers=2)
+    with pytest.raises(WorkerDiedError, match="SIGKILL"):
+        for _ in CudaPrefetcher(loader, device="cuda"):
+            pass
+    del loader
+    gc.collect()
+    torch.cuda.synchronize()
+    assert shm_cuda.live_registrations() == {}

@@ -19,6 +19,7 @@ timeout "${TEST_SECONDS:-240}" python3 -m pytest -q -ra -p no:cacheprovider \
     tests/test_cuda.py tests/test_cuda_integrations.py tests/test_layout.py tests/test_loader_equality.py \
     -k "cuda or pin" 2>&1 \
     | tee "$OUT/pytest.log" | tail -25
+[ -n "${TESTS_ONLY:-}" ] && exit 0
 timeout 120 python3 tools/gpu_probes.py 2>&1 | tee "$OUT/probes.log"
 [ -n "${SKIP_BENCH:-}" ] && exit 0
 timeout "${BENCH_SECONDS:-240}" python3 -m bench.gpu --out "$OUT" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench-gpu.log"
