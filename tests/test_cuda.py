@@ -770,7 +770,7 @@ def test_cuda_sample_parallel_batches_through_the_prefetcher():
     assert shm_cuda.live_registrations() == {}
 
 
-class _Collects(Dataset):
+class CollectingItems(Dataset):
     """Each item runs the garbage collector in the worker, as any allocation-heavy item may."""
 
     def __len__(self):
@@ -781,7 +781,7 @@ class _Collects(Dataset):
         return torch.full((1024,), float(i))
 
 
-class _Cycle:
+class InCycle:
     def __init__(self, tensor):
         self.tensor, self.me = tensor, self
 
@@ -799,14 +799,14 @@ def test_cuda_garbage_of_the_training_loop_is_not_freed_in_forked_workers():
         for _ in range(4):
             x = torch.ones(1 << 20, device="cuda")
             x.record_stream(side)
-            _Cycle(x)
+            InCycle(x)
         del x
-        loader = ShmDataLoader(_Collects(), batch_size=2, num_workers=2, multiprocessing_context="fork")
+        loader = ShmDataLoader(CollectingItems(), batch_size=2, num_workers=2, multiprocessing_context="fork")
         it = iter(loader)
     finally:
         gc.enable()
     got = [b.clone() for b in it]
-    assert len(got) == 4 and all(torch.equal(a, b) for a, b in zip(got, DataLoader(_Collects(), batch_size=2)))
+    assert len(got) == 4 and all(torch.equal(a, b) for a, b in zip(got, DataLoader(CollectingItems(), batch_size=2)))
     del it, loader
     gc.collect()
     torch.cuda.synchronize()

@@ -25,15 +25,30 @@ pytestmark = [
 ]
 
 
-def _to_cpu(data):
+def _tree_map(data, fn):
+    """`data` with fn applied to every tensor leaf (dicts, lists and tuples rebuilt)."""
     if isinstance(data, torch.Tensor):
-        assert data.is_cuda, "a tensor leaf was not moved to the GPU"
-        return data.cpu()
+        return fn(data)
     if isinstance(data, dict):
-        return {k: _to_cpu(v) for k, v in data.items()}
+        return {k: _tree_map(v, fn) for k, v in data.items()}
     if isinstance(data, (list, tuple)):
-        return type(data)(_to_cpu(v) for v in data)
+        return type(data)(_tree_map(v, fn) for v in data)
     return data
+
+
+def _gpu_leaf_to_cpu(tensor):
+    assert tensor.is_cuda, "a tensor leaf was not moved to the GPU"
+    return tensor.cpu()
+
+
+def _to_cpu(batch):
+    """A batch the step saw on the GPU, back on the CPU (every tensor leaf must be on the GPU)."""
+    return _tree_map(batch, _gpu_leaf_to_cpu)
+
+
+def _cpu_copy(batch):
+    """A CPU batch of torch's, detached from whatever memory it came in."""
+    return _tree_map(batch, torch.clone)
 
 
 def test_lightning_fit_on_one_gpu():
@@ -68,16 +83,6 @@ def test_lightning_fit_on_one_gpu():
     torch.cuda.synchronize()
     assert shm_cuda.live_registrations() == {}
 
-
-def _cpu_copy(data):
-    """A CPU batch of torch's, detached from whatever memory it came in."""
-    if isinstance(data, torch.Tensor):
-        return data.clone()
-    if isinstance(data, dict):
-        return {k: _cpu_copy(v) for k, v in data.items()}
-    if isinstance(data, (list, tuple)):
-        return type(data)(_cpu_copy(v) for v in data)
-    return data
 
 
 def test_accelerate_prepare_on_one_gpu():

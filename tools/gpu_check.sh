@@ -20,7 +20,7 @@ timeout "${TEST_SECONDS:-240}" python3 -m pytest -q -ra -p no:cacheprovider \
     -k "cuda or pin" 2>&1 \
     | tee "$OUT/pytest.log" | tail -25
 [ -n "${TESTS_ONLY:-}" ] && exit 0
-timeout 120 python3 tools/gpu_probes.py 2>&1 | tee "$OUT/probes.log"
+timeout 120 python3 -m tools.gpu_probes 2>&1 | tee "$OUT/probes.log"
 [ -n "${SKIP_BENCH:-}" ] && exit 0
 timeout "${BENCH_SECONDS:-240}" python3 -m bench.gpu --out "$OUT" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench-gpu.log"
 # compute sized well above what the workers need per batch, so that the step shows whether the

@@ -1,4 +1,5 @@
-"""Two GPU probes for the README's CUDA section, run by tools/gpu_check.sh on a lent GPU machine.
+"""GPU probes for the README's CUDA section: `python -m tools.gpu_probes` from the repository's root
+(tools/gpu_check.sh runs it on a lent GPU machine).
 
 1. How fast a ring slot is page-locked (cudaHostRegister through SlotPinner), once per slot.
 2. Whether torch's own DataLoader survives what NOTE [ The parent's garbage ] guards shmloader
@@ -19,6 +20,7 @@ from torch.utils.data import DataLoader, Dataset
 from shmloader import ShmDataLoader
 from shmloader import cuda as shm_cuda
 from shmloader import segment as shm_segment
+from tests.test_cuda import CollectingItems, InCycle  # the datasets of the GPU test
 
 MiB = 1 << 20
 
@@ -39,20 +41,6 @@ def registration_rate(nbytes: int, repeats: int = 5) -> None:
           f"{nbytes / median / 1e9:.1f} GB/s")
 
 
-class Collects(Dataset):
-    def __len__(self):
-        return 8
-
-    def __getitem__(self, i):
-        gc.collect()
-        return torch.full((1024,), float(i))
-
-
-class Cycle:
-    def __init__(self, tensor):
-        self.tensor, self.me = tensor, self
-
-
 def garbage_at_fork(make_loader, name: str) -> None:
     side = torch.cuda.Stream()
     gc.collect()
@@ -61,7 +49,7 @@ def garbage_at_fork(make_loader, name: str) -> None:
         for _ in range(4):
             x = torch.ones(1 << 20, device="cuda")
             x.record_stream(side)
-            Cycle(x)
+            InCycle(x)
         del x
         it = iter(make_loader())
     finally:
@@ -109,10 +97,10 @@ if __name__ == "__main__":
     for size in (64 * MiB, 256 * MiB):
         registration_rate(size)
     kwargs = dict(batch_size=2, num_workers=2, multiprocessing_context="fork", timeout=60)
-    garbage_at_fork(lambda: DataLoader(Collects(), **kwargs), "torch DataLoader")
-    garbage_at_fork(lambda: ShmDataLoader(Collects(), **kwargs), "ShmDataLoader")
+    garbage_at_fork(lambda: DataLoader(CollectingItems(), **kwargs), "torch DataLoader")
+    garbage_at_fork(lambda: ShmDataLoader(CollectingItems(), **kwargs), "ShmDataLoader")
     rows = Rows(16 * 12, 4 * MiB)  # 12 batches of 64 MiB
     for persistent in (False, True):
         common = dict(batch_size=16, num_workers=4, pin_memory=True, persistent_workers=persistent)
-        first_batches(f"torch DataLoader, persistent={persistent}", lambda: DataLoader(rows, **common))
-        first_batches(f"ShmDataLoader, persistent={persistent}", lambda: ShmDataLoader(rows, **common))
+        first_batches(f"torch DataLoader, persistent={persistent}", lambda kw=common: DataLoader(rows, **kw))
+        first_batches(f"ShmDataLoader, persistent={persistent}", lambda kw=common: ShmDataLoader(rows, **kw))
