@@ -786,12 +786,10 @@ class InCycle:
         self.tensor, self.me = tensor, self
 
 
-@cuda_test
-@pytest.mark.timeout(300)
-def test_cuda_garbage_of_the_training_loop_is_not_freed_in_forked_workers():
-    """CUDA tensors left in reference cycles by the loop (record_stream'd, as CudaPrefetcher's
-    batches are) when forked workers start: freed in a worker they abort it ('CUDA error:
-    initialization error', SIGABRT); they must stay the training process's to free."""
+def batches_with_cuda_garbage_at_fork(make_loader) -> list:
+    """Leave CUDA tensors in reference cycles (record_stream'd on a side stream, as CudaPrefetcher's
+    batches are), start the loader's workers with that garbage uncollected, and return copies of
+    its batches."""
     side = torch.cuda.Stream()
     gc.collect()
     gc.disable()
@@ -801,15 +799,25 @@ def test_cuda_garbage_of_the_training_loop_is_not_freed_in_forked_workers():
             x.record_stream(side)
             InCycle(x)
         del x
-        loader = ShmDataLoader(CollectingItems(), batch_size=2, num_workers=2, multiprocessing_context="fork")
-        it = iter(loader)
+        it = iter(make_loader())
     finally:
         gc.enable()
-    got = [b.clone() for b in it]
+    try:
+        return [b.clone() for b in it]
+    finally:
+        del it
+        gc.collect()
+        torch.cuda.synchronize()
+
+
+@cuda_test
+@pytest.mark.timeout(300)
+def test_cuda_garbage_of_the_training_loop_is_not_freed_in_forked_workers():
+    """Freed in a forked worker, such tensors abort it ('CUDA error: initialization error',
+    SIGABRT); they must stay the training process's to free (NOTE [ The parent's garbage ])."""
+    got = batches_with_cuda_garbage_at_fork(lambda: ShmDataLoader(
+        CollectingItems(), batch_size=2, num_workers=2, multiprocessing_context="fork"))
     assert len(got) == 4 and all(torch.equal(a, b) for a, b in zip(got, DataLoader(CollectingItems(), batch_size=2)))
-    del it, loader
-    gc.collect()
-    torch.cuda.synchronize()
 
 
 # == the other ways users run the GPU path ==========================================================

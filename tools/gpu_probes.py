@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader, Dataset
 from shmloader import ShmDataLoader
 from shmloader import cuda as shm_cuda
 from shmloader import segment as shm_segment
-from tests.test_cuda import CollectingItems, InCycle  # the datasets of the GPU test
+from tests.test_cuda import CollectingItems, batches_with_cuda_garbage_at_fork  # the GPU test's
 
 MiB = 1 << 20
 
@@ -42,25 +42,11 @@ def registration_rate(nbytes: int, repeats: int = 5) -> None:
 
 
 def garbage_at_fork(make_loader, name: str) -> None:
-    side = torch.cuda.Stream()
-    gc.collect()
-    gc.disable()
     try:
-        for _ in range(4):
-            x = torch.ones(1 << 20, device="cuda")
-            x.record_stream(side)
-            InCycle(x)
-        del x
-        it = iter(make_loader())
-    finally:
-        gc.enable()
-    try:
-        n = len([b.clone() for b in it])
+        n = len(batches_with_cuda_garbage_at_fork(make_loader))
         print(f"{name}: CUDA garbage in cycles at fork: {n} batches, OK")
     except Exception as exc:  # noqa: BLE001 - the probe reports whatever it is
         print(f"{name}: CUDA garbage in cycles at fork: {type(exc).__name__}: {str(exc).splitlines()[0]}")
-    del it
-    gc.collect()
 
 
 class Rows(Dataset):
