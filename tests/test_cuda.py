@@ -903,3 +903,15 @@ def test_cuda_worker_death_with_pinned_slots_leaves_no_registration():
     gc.collect()
     torch.cuda.synchronize()
     assert shm_cuda.live_registrations() == {}
+
+
+@cuda_test
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("depth, non_blocking", [(1, True), (3, False)])
+def test_cuda_prefetcher_over_torchs_dataloader(depth, non_blocking):
+    """CudaPrefetcher wraps any loader: torch's DataLoader(pin_memory=True) too, at any depth, with
+    synchronous copies as well; strings and numbers pass through."""
+    ds = Items(24, nbytes=1 << 16)
+    loader = DataLoader(ds, batch_size=4, num_workers=2, pin_memory=True)
+    got = list(CudaPrefetcher(loader, device="cuda", depth=depth, non_blocking=non_blocking))
+    _same_on_gpu(got, list(DataLoader(ds, batch_size=4)))
