@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import threading
 import weakref
 from typing import Protocol
 
@@ -42,27 +43,41 @@ def close_parent_only_in_child() -> None:
 #   error", SIGABRT; seen on an H200 with CudaPrefetcher's record_stream'd batches).  Any other
 #   finalizer of the parent's (a file flushed twice, a lock file removed) would run twice.  So the
 #   parent forks with collection off, and the worker, first thing, freezes what it inherited
-#   (gc.freeze: never examined by its collector, so also never written to, which keeps those pages
-#   shared) before it turns collection back on.  Objects the worker makes are collected as usual.
+#   (gc.freeze: never examined by its collector) before it turns collection back on, if the user
+#   had it on.  Objects the worker makes are collected as usual.
+#
+#   Loaders may start workers from several threads at once (a validation loader in a thread of its
+#   own): collection is turned off by the first fork under way and back on by the last, so that
+#   the user's setting is what it was before, whatever the interleaving.
 
-_collect_after_fork = True
+_fork_lock = threading.Lock()
+_forks_under_way = 0
+_collect_after_fork = True  # the user's setting when the first fork under way began
 
 
 @contextlib.contextmanager
 def no_collection_across_fork():
     """Around a fork: the child starts with collection off (NOTE [ The parent's garbage ])."""
-    global _collect_after_fork
-    _collect_after_fork = gc.isenabled()
-    gc.disable()
+    global _forks_under_way, _collect_after_fork
+    with _fork_lock:
+        if _forks_under_way == 0:
+            _collect_after_fork = gc.isenabled()
+            gc.disable()
+        _forks_under_way += 1
     try:
         yield
     finally:
-        if _collect_after_fork:
-            gc.enable()
+        with _fork_lock:
+            _forks_under_way -= 1
+            if _forks_under_way == 0 and _collect_after_fork:
+                gc.enable()
 
 
 def freeze_inherited_objects() -> None:
-    """In a forked worker, first thing: what the parent left stays out of this collector's reach."""
+    """In a forked worker, first thing: what the parent left stays out of this collector's reach.
+    The fork bookkeeping starts afresh (another thread of the parent may have held its lock)."""
+    global _fork_lock, _forks_under_way
+    _fork_lock, _forks_under_way = threading.Lock(), 0
     gc.freeze()
     if _collect_after_fork:
         gc.enable()

@@ -20,6 +20,8 @@ NOTE [ Shutdown ]
 
 from __future__ import annotations
 
+import contextlib
+
 import math
 import select
 import time
@@ -123,7 +125,7 @@ class WorkerPool:
         process = context.Process(target=worker_main, args=(spec, child_sock),
                                   name=f"shmloader-worker-{worker_id}", daemon=True)
         try:
-            with no_collection_across_fork():
+            with no_collection_across_fork() if spec.forked else contextlib.nullcontext():
                 process.start()
         finally:
             child_sock.close()
