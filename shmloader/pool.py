@@ -21,7 +21,6 @@ NOTE [ Shutdown ]
 from __future__ import annotations
 
 import contextlib
-
 import math
 import select
 import time
