@@ -507,9 +507,15 @@ class _ShmLoaderIter(_PoolIter):
             # their slots here.
             try:
                 self._wait_for_event(until=lambda: self._resumed[self._epoch] >= self._num_workers)
-            except LoaderTimeoutError as error:  # half way through the reset: no going on
+            except LoaderTimeoutError:  # half way through the reset: no going on
+                error = LoaderTimeoutError(
+                    f"DataLoader timed out after {self._timeout} seconds waiting for the persistent "
+                    f"workers to start epoch {self._epoch} ({self._resumed[self._epoch]} of "
+                    f"{self._num_workers} ready, the rest still busy with a sample of the last epoch); "
+                    "this iterator is shut down: iter(loader) again starts the epoch afresh once "
+                    "they are done, or raise timeout=")
                 self._break(error)
-                raise
+                raise error from None
         # The last epoch's forecast, taken aside: a short epoch may make the next one's during
         # this very prime.
         ahead, self._ahead, self._ahead_tried = self._ahead, None, False

@@ -350,6 +350,8 @@ def _check_leaf(leaf: RowLeaf, value, row: int):
     if kind == "ndarray":
         if type(value) is not np.ndarray:
             raise _mismatch("sample leaf differs", leaf.path, row, leaf.describe(), _describe(value))
+        if row == 0 and value.dtype != leaf.numpy_dtype:  # row 0 sets the batch's dtype
+            raise _mismatch("sample dtype differs", leaf.path, row, leaf.describe(), _describe(value))
         if (value.shape == leaf.row_shape and value.dtype != leaf.numpy_dtype and value.dtype.isnative
                 and layout._torch_takes_as_is(value)):
             try:
@@ -367,6 +369,8 @@ def _check_leaf(leaf: RowLeaf, value, row: int):
     if kind == "tensor":
         if type(value) is not torch.Tensor:
             raise _mismatch("sample leaf differs", leaf.path, row, leaf.describe(), _describe(value))
+        if row == 0 and value.dtype != leaf.dtype:  # row 0 sets the batch's dtype
+            raise _mismatch("sample dtype differs", leaf.path, row, leaf.describe(), _describe(value))
         if tuple(value.shape) == leaf.row_shape and value.dtype != leaf.dtype:
             value = _cast_as_torch_stacks(leaf, value, row)
         if value.dtype != leaf.dtype or tuple(value.shape) != leaf.row_shape:

@@ -55,8 +55,9 @@ NOTE [ Samples of one batch over the workers ]
 NOTE [ A new shape ]
   torch collates each batch on its own, so batches may differ in shape or structure as long as
   the samples of one batch agree (multi-resolution training, buckets of lengths, a dict with
-  other keys).  Batches are sent with the last schema learnt; a batch whose rows do not fit it
-  (a BatchShapeError or MissingKeyError from a row) is learnt again: its slot goes back, its row
+  other keys, another dtype).  Batches are sent with the last schema learnt; a batch whose rows
+  do not fit it (a BatchShapeError or MissingKeyError from a row; a row 0 of another dtype is
+  one, since row 0 sets its batch's dtype, where other rows are cast into it) is learnt again: its slot goes back, its row
   0 is fetched again by its first worker (seeded as that row, so the same sample), and if that
   gives another layout, the batch is sent again with it, and so are the batches after it.  If
   it gives the same layout, the rows disagree among themselves and the batch raises the row's

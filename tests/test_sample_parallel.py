@@ -440,6 +440,38 @@ def test_sample_shapes_that_change_from_batch_to_batch_are_torchs_batches(num_wo
         collect(shuffled)
 
 
+class DtypePerBatch(Dataset):
+    """Every sample of a batch has one dtype, batches differ (an array and a tensor leaf): torch
+    gives each batch its own row 0's dtype; within batch 5, row 2 is float64 among float32 rows
+    (cast into row 0's float32, as torch's collate in a worker casts it)."""
+
+    DTYPES = ((np.float32, torch.float32), (np.float64, torch.float64), (np.uint8, torch.uint8),
+              (np.int16, torch.int16), (np.int64, torch.int64), (np.float32, torch.float32))
+
+    def __len__(self):
+        return 24
+
+    def __getitem__(self, i):
+        array_dtype, tensor_dtype = self.DTYPES[i // 4]
+        if i == 22:
+            array_dtype, tensor_dtype = np.float64, torch.float64
+        value = 300 + i + (0.1 if np.dtype(array_dtype).kind == "f" else 0)
+        return {"array": np.full(2, value).astype(array_dtype), "tensor": torch.tensor([value]).to(tensor_dtype)}
+
+
+@pytest.mark.parametrize("num_workers", [2, 3])
+def test_a_batch_of_another_dtype_is_torchs_batch(num_workers):
+    """Found by a new-user check: a batch whose dtype differed from the last batch's was written
+    in the last batch's dtype (uint8 then int16 values 300+ wrapped to 48; float64 rounded to
+    float32), or refused; row 0 of each batch now sets its dtype (NOTE [ A new shape ])."""
+    kwargs = dict(batch_size=4, num_workers=num_workers)
+    got = collect(ShmDataLoader(DtypePerBatch(), sample_parallel=True, **kwargs))
+    want = collect(DataLoader(DtypePerBatch(), **kwargs))
+    assert_same_batches(got, want)
+    assert [b["array"].dtype for b in got] == [torch.float32, torch.float64, torch.uint8, torch.int16,
+                                               torch.int64, torch.float32]
+
+
 class LabelTypePerBatch(Dataset):
     """Batch 1's labels are all floats: torch makes that batch's labels float64."""
 
