@@ -44,7 +44,9 @@ def close_parent_only_in_child() -> None:
 #   finalizer of the parent's (a file flushed twice, a lock file removed) would run twice.  So the
 #   parent forks with collection off, and the worker, first thing, freezes what it inherited
 #   (gc.freeze: never examined by its collector) before it turns collection back on, if the user
-#   had it on.  Objects the worker makes are collected as usual.
+#   had it on.  Objects the worker makes are collected as usual.  The cost: an inherited object
+#   in a cycle that becomes garbage in the worker is never collected there (its pages are the
+#   parent's, shared until written); one freed by its reference count is freed as usual.
 #
 #   Loaders may start workers from several threads at once (a validation loader in a thread of its
 #   own): collection is turned off by the first fork under way and back on by the last, so that
