@@ -179,14 +179,17 @@ def test_hang_with_timeout_raises(where, start_method, tmp_path):
 
 
 class SlowOnce(Dataset):
-    """Index 8 takes 2 s (a storage hiccup); the rest are instant."""
+    """Index `slow` takes `seconds` (a storage hiccup); the other 15 are instant."""
+
+    def __init__(self, slow: int = 8, seconds: float = 2.0):
+        self.slow, self.seconds = slow, seconds
 
     def __len__(self):
         return 16
 
     def __getitem__(self, i):
-        if i == 8:
-            time.sleep(2)
+        if i == self.slow:
+            time.sleep(self.seconds)
         return torch.full((3,), i)
 
 
@@ -219,23 +222,13 @@ def test_after_a_timeout_the_loop_can_go_on_as_with_torch(kwargs):
     assert "timeout" in got and [x for x in got if x != "timeout"] == [x for x in want if x != "timeout"], (got, want)
 
 
-class SlowAt12(Dataset):
-    def __len__(self):
-        return 16
-
-    def __getitem__(self, i):
-        if i == 12:
-            time.sleep(3)
-        return torch.full((3,), i)
-
-
 @pytest.mark.timeout(60)
 def test_a_timeout_while_persistent_workers_start_an_epoch_says_what_happened():
     """The loop leaves an epoch while a worker is in a slow sample; the next iter() times out
     waiting for that worker to start the new epoch.  That iterator is shut down (the error says
     so, and which epoch, not 'next() waits for it again' about a batch of no worker), and a later
     iter(loader) delivers the epoch (found by a new-user check)."""
-    loader = ShmDataLoader(SlowAt12(), batch_size=4, num_workers=2, timeout=1, persistent_workers=True)
+    loader = ShmDataLoader(SlowOnce(slow=12, seconds=3), batch_size=4, num_workers=2, timeout=1, persistent_workers=True)
     it = iter(loader)
     next(it)
     del it  # worker 1 is in index 12's three seconds
