@@ -15,7 +15,7 @@ import socket
 import struct
 from typing import Any
 
-from .ownership import register_parent_only
+from .ownership import no_fork_meanwhile, register_parent_only
 from .protocol import decode, encode
 
 _FRAME = struct.Struct("<IB")
@@ -116,7 +116,8 @@ class Channel:
         return message, fds
 
     def close(self) -> None:
-        self.sock.close()
+        with no_fork_meanwhile():
+            self.sock.close()
 
     def close_in_child(self) -> None:
         self.sock.close()

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 
-from .ownership import register_parent_only
+from .ownership import no_fork_meanwhile, register_parent_only
 
 MAX_REPORT_BYTES = 64 * 1024
 
@@ -20,16 +20,18 @@ class CrashLog:
     """One worker's pipe: the main process keeps the read end, the worker gets the write end."""
 
     def __init__(self) -> None:
-        self.read_fd, self.write_fd = os.pipe()
+        with no_fork_meanwhile():
+            self.read_fd, self.write_fd = os.pipe()
+            register_parent_only(self)
         os.set_blocking(self.read_fd, False)
         os.set_blocking(self.write_fd, False)
-        register_parent_only(self)
 
     def close_write_end(self) -> None:
         """Once the write end has been passed to the worker (SCM_RIGHTS duplicates it)."""
-        if self.write_fd >= 0:
-            os.close(self.write_fd)
-            self.write_fd = -1
+        with no_fork_meanwhile():
+            if self.write_fd >= 0:
+                os.close(self.write_fd)
+                self.write_fd = -1
 
     def read(self) -> str:
         """What the worker wrote so far ('' if nothing), without waiting."""
@@ -49,9 +51,10 @@ class CrashLog:
         return b"".join(chunks).decode("utf-8", errors="replace").strip()
 
     def close(self) -> None:
-        self.close_write_end()
-        if self.read_fd >= 0:
-            os.close(self.read_fd)
-            self.read_fd = -1
+        with no_fork_meanwhile():
+            self.close_write_end()
+            if self.read_fd >= 0:
+                os.close(self.read_fd)
+                self.read_fd = -1
 
     close_in_child = close  # a forked worker keeps none of the other workers' pipes

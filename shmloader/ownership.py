@@ -49,37 +49,41 @@ def close_parent_only_in_child() -> None:
 #   parent's, shared until written); one freed by its reference count is freed as usual.
 #
 #   Loaders may start workers from several threads at once (a validation loader in a thread of its
-#   own): collection is turned off by the first fork under way and back on by the last, so that
-#   the user's setting is what it was before, whatever the interleaving.
+#   own).  Forks are serialized, and parent-only fds are opened, registered and closed under the
+#   same lock (no_fork_meanwhile): a worker forked from one thread while another closed a pipe
+#   found that fd closed (EBADF in close_in_child, the worker dead at start) or, had its number
+#   been reused meanwhile, would have closed its own socket.
 
-_fork_lock = threading.Lock()
-_forks_under_way = 0
-_collect_after_fork = True  # the user's setting when the first fork under way began
+_fork_lock = threading.RLock()
+_collect_after_fork = True  # the user's setting when the fork under way began
+
+
+def no_fork_meanwhile():
+    """Held while a parent-only fd is opened and registered, or closed (NOTE [ The parent's
+    garbage ]): no worker is forked from another thread in between."""
+    return _fork_lock
 
 
 @contextlib.contextmanager
-def no_collection_across_fork():
-    """Around a fork: the child starts with collection off (NOTE [ The parent's garbage ])."""
-    global _forks_under_way, _collect_after_fork
+def forking():
+    """Around a worker's start: one fork at a time, and under fork the child starts with
+    collection off (NOTE [ The parent's garbage ])."""
+    global _collect_after_fork
     with _fork_lock:
-        if _forks_under_way == 0:
-            _collect_after_fork = gc.isenabled()
-            gc.disable()
-        _forks_under_way += 1
-    try:
-        yield
-    finally:
-        with _fork_lock:
-            _forks_under_way -= 1
-            if _forks_under_way == 0 and _collect_after_fork:
+        _collect_after_fork = gc.isenabled()
+        gc.disable()
+        try:
+            yield
+        finally:
+            if _collect_after_fork:
                 gc.enable()
 
 
 def freeze_inherited_objects() -> None:
     """In a forked worker, first thing: what the parent left stays out of this collector's reach.
     The fork bookkeeping starts afresh (another thread of the parent may have held its lock)."""
-    global _fork_lock, _forks_under_way
-    _fork_lock, _forks_under_way = threading.Lock(), 0
+    global _fork_lock
+    _fork_lock = threading.RLock()
     gc.freeze()
     if _collect_after_fork:
         gc.enable()

@@ -20,7 +20,6 @@ NOTE [ Shutdown ]
 
 from __future__ import annotations
 
-import contextlib
 import math
 import select
 import time
@@ -30,7 +29,7 @@ from . import diagnosis
 from .channel import Channel, ChannelClosed
 from .crashlog import CrashLog
 from .errors import WorkerDiedError
-from .ownership import no_collection_across_fork
+from .ownership import forking
 from .protocol import (
     BOOTING,
     PROTOCOL_VERSION,
@@ -115,19 +114,19 @@ class WorkerPool:
         self.sentinel_of = {p.sentinel: worker_id for worker_id, p in enumerate(self.processes)}
 
     def _start(self, worker_id: int, context, spec) -> None:
-        channel, child_sock = Channel.pair()
-        self.channels.append(channel)
-        crash_log = CrashLog()
-        self.crash_logs.append(crash_log)
-        channel.send(hello(self.board.size), (self.board.fd, crash_log.write_fd))
-        crash_log.close_write_end()
-        process = context.Process(target=worker_main, args=(spec, child_sock),
-                                  name=f"shmloader-worker-{worker_id}", daemon=True)
-        try:
-            with no_collection_across_fork() if spec.forked else contextlib.nullcontext():
+        with forking():  # its fds made and the child's end closed with no fork from elsewhere
+            channel, child_sock = Channel.pair()
+            self.channels.append(channel)
+            crash_log = CrashLog()
+            self.crash_logs.append(crash_log)
+            channel.send(hello(self.board.size), (self.board.fd, crash_log.write_fd))
+            crash_log.close_write_end()
+            process = context.Process(target=worker_main, args=(spec, child_sock),
+                                      name=f"shmloader-worker-{worker_id}", daemon=True)
+            try:
                 process.start()
-        finally:
-            child_sock.close()
+            finally:
+                child_sock.close()
         self.processes.append(process)
 
     # -- messages ----------------------------------------------------------------------------------

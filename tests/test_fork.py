@@ -172,9 +172,11 @@ def test_forked_workers_collect_their_own_garbage_and_the_users_setting_is_kept(
         gc.enable()
 
 
-def test_loaders_started_from_two_threads_leave_collection_on():
-    """Two threads starting forked workers at once (a validation loader in a thread of its own):
-    collection is on afterwards, as it was (found by a new-user check: it was left off)."""
+def test_loaders_started_from_several_threads_all_start_and_leave_collection_on():
+    """Threads starting forked workers at once (a validation loader in a thread of its own):
+    collection is on afterwards, as it was (found by a new-user check: it was left off), and
+    every worker starts (a fork while another thread closed a worker's pipe killed the new
+    worker at start: EBADF closing the inherited, already closed, fd)."""
     import gc
     import threading
 
@@ -182,14 +184,14 @@ def test_loaders_started_from_two_threads_leave_collection_on():
 
     def consume():
         try:
-            for _ in range(10):
+            for _ in range(12):
                 for _ in ShmDataLoader(DATA[:8], batch_size=4, num_workers=2, multiprocessing_context="fork"):
                     pass
         except BaseException as exc:  # noqa: BLE001 - reported below
             errors.append(exc)
 
     assert gc.isenabled()
-    threads = [threading.Thread(target=consume) for _ in range(2)]
+    threads = [threading.Thread(target=consume) for _ in range(3)]
     for t in threads:
         t.start()
     for t in threads:
