@@ -673,7 +673,9 @@ def _settle_sources(segment: _ring.Segment, leaves: list) -> list:
         start, end = memory_bounds(value)
         if end <= lo or hi <= start:
             return value
-        return value.copy() if type(value) is np.ndarray else value.clone()
+        if type(value) is np.ndarray:  # in the memory order its descriptor says (F stays F)
+            return value.copy(order="F" if value.flags.f_contiguous and not value.flags.c_contiguous else "C")
+        return value.clone()
 
     settled = []
     for offset, leaf in leaves:

@@ -185,6 +185,102 @@ def test_batches_larger_than_their_slot_fall_back_to_the_copy_path():
     del shm
 
 
+class ImageRows(Dataset):
+    """(16, 24, 3) float32 images, 4.5 KiB each: a batch of 4 is 18 KiB, above the arena's threshold."""
+
+    def __len__(self):
+        return 16
+
+    def __getitem__(self, i):
+        return np.arange(16 * 24 * 3, dtype=np.float32).reshape(16, 24, 3) + 1000 * i
+
+
+def fortran_beside_a_transpose(samples):
+    whole = np.stack(samples)
+    return whole.transpose(0, 3, 1, 2), np.asfortranarray(whole)
+
+
+def fortran_beside_a_reversal(samples):
+    whole = np.stack(samples)
+    return whole[:, ::-1], np.asfortranarray(whole.reshape(len(samples), -1))
+
+
+@pytest.mark.parametrize("hold", [False, True])
+@pytest.mark.parametrize("collate_fn", [fortran_beside_a_transpose, fortran_beside_a_reversal])
+def test_fortran_ordered_leaves_laid_out_anew_keep_their_order(collate_fn, hold):
+    """When the arena's blocks hold more than the batch, the batch is laid out from the slot's
+    start and what lies in the slot is copied out first: a Fortran-ordered leaf must be copied
+    in Fortran order, as its descriptor says (a C-ordered copy delivered its values scrambled,
+    flagged F, with no error)."""
+    for num_workers in (1, 2):
+        shm, ref, _ = _both(ImageRows(), collate_fn, hold=hold, num_workers=num_workers)
+        assert_same_batches(shm, ref)
+        del shm
+
+
+class FortranSamples(Dataset):
+    """Samples born C-ordered and returned transposed (F-ordered), 22.5 KiB each."""
+
+    def __len__(self):
+        return 40
+
+    def __getitem__(self, i):
+        return np.random.default_rng(i).standard_normal((48, 40, 3)).astype(np.float32).T
+
+
+def records(samples):
+    return samples
+
+
+@pytest.mark.parametrize("hold", [False, True])
+def test_fortran_ordered_samples_through_a_records_collate(hold):
+    """The forum's records collate over samples the dataset returns F-ordered (born in the slot
+    by the samples' arena): every sample as torch delivers it, in every epoch."""
+    loader = ShmDataLoader(FortranSamples(), batch_size=4, num_workers=2, collate_fn=records)
+    ref = list(DataLoader(FortranSamples(), batch_size=4, num_workers=2, collate_fn=records))
+    keep = (lambda b: b) if hold else copy.deepcopy
+    for _ in range(2):
+        shm = [keep(b) for b in loader]
+        assert_same_batches(shm, ref)
+        del shm
+
+
+LAYOUTS = {  # a (20, 24, 16) float32 sample (30 KiB, born in the worker) in each memory layout
+    "C": lambda a: a,
+    "F": np.asfortranarray,
+    "transposed": lambda a: a.transpose(2, 0, 1),
+    "reversed": lambda a: a[::-1, :, ::-2],
+    "F view": lambda a: a.T,
+}
+
+
+class Layouts(Dataset):
+    def __init__(self, layout_name: str):
+        self.make = LAYOUTS[layout_name]
+
+    def __len__(self):
+        return 12
+
+    def __getitem__(self, i):
+        return self.make(np.random.default_rng(i).standard_normal((20, 24, 16)).astype(np.float32))
+
+
+def stack_and_views(samples):
+    whole = np.stack(samples)
+    return {"samples": samples, "whole": whole, "chw": whole.transpose(0, 3, 1, 2),
+            "F": np.asfortranarray(whole[:, ::-1])}
+
+
+@pytest.mark.parametrize("layout_name", sorted(LAYOUTS))
+@pytest.mark.parametrize("collate_fn", [records, stack_and_views])
+def test_every_memory_layout_born_in_the_worker_comes_back_as_torchs(layout_name, collate_fn):
+    """Samples made in the worker (born in the slot) in every memory layout, through a records
+    collate and through one returning stacks, views and Fortran copies side by side."""
+    shm, ref, _ = _both(Layouts(layout_name), collate_fn, hold=True, num_workers=2)
+    assert_same_batches(shm, ref)
+    del shm
+
+
 def test_turned_off_by_the_environment(monkeypatch):
     monkeypatch.setenv("SHMLOADER_SLOT_ARENA", "0")
     shm, ref, stats = _both(Rows(n=16), stack)
