@@ -49,7 +49,7 @@ FUZZ = settings(max_examples=300, deadline=None, database=None,
 
 shapes = st.one_of(
     st.lists(st.integers(0, 4), max_size=4).map(tuple),  # 0-d, empty, small
-    st.sampled_from([(1, 70_001), (3, 0, 5), (40_000,)]),  # long dimensions
+    st.sampled_from([(1, 70_001), (3, 0, 5), (40_000,), (96, 130)]),  # long dimensions, a large 2-d
 )
 array_specs = st.tuples(st.just("numpy"), st.sampled_from(NUMPY_DTYPES), shapes, st.sampled_from(LAYOUTS))
 tensor_specs = st.tuples(st.just("torch"), st.sampled_from(TORCH_DTYPES), shapes, st.sampled_from(LAYOUTS))
@@ -248,6 +248,56 @@ def test_loader_matches_torch_dataloader(spec, seed, custom):
             default_collate(dataset.samples[i:i + 3]) for i in (0, 3)]
     except (TypeError, RuntimeError, ValueError):
         return  # samples torch cannot collate either (covered by the layout fuzz above)
+    got = list(ShmDataLoader(dataset, num_workers=2, multiprocessing_context="fork", **kwargs))
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        assert_same(g, w)
+    del got
+
+
+class _BornInWorker(Dataset):
+    """Samples materialised in the worker (a custom collate's samples are born in the slot: NOTE
+    in shmloader/samples_in_slot.py), the same for any process: seeded by the index."""
+
+    def __init__(self, spec, seed: int):
+        self.spec, self.seed = spec, seed
+
+    def __len__(self):
+        return 6
+
+    def __getitem__(self, i):
+        return materialise(self.spec, np.random.default_rng(self.seed + i), with_none=False)
+
+
+def _views_of(value):
+    """Transposed, reversed and Fortran-ordered views and copies of every array leaf."""
+    if isinstance(value, np.ndarray):
+        return (value.T, value[::-1] if value.ndim else value, np.asfortranarray(value))
+    if isinstance(value, torch.Tensor):
+        return value.mT if value.dim() >= 2 else value.flip(0) if value.dim() else value
+    if isinstance(value, dict):
+        return {k: _views_of(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_views_of(v) for v in value]
+    return value
+
+
+def _with_views(samples):
+    return samples, _views_of(samples)
+
+
+@pytest.mark.timeout(240)
+@settings(max_examples=16, deadline=None, database=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(spec=specs(st.one_of(array_specs, tensor_specs, scalar_specs)), seed=st.integers(0, 2**32 - 1),
+       with_views=st.booleans())
+def test_samples_born_in_the_worker_match_torch_dataloader(spec, seed, with_views):
+    """As above with samples made in the worker, so that large ones are born in the slot, and a
+    collate that returns them as they are or beside views and Fortran copies of them."""
+    dataset = _BornInWorker(spec, seed)
+    kwargs = dict(batch_size=3, collate_fn=_with_views if with_views else _as_is)
+    # torch's in-process batches: its workers lose the conj bit of a 0-d conj tensor they made
+    want = list(DataLoader(dataset, **kwargs))
     got = list(ShmDataLoader(dataset, num_workers=2, multiprocessing_context="fork", **kwargs))
     assert len(got) == len(want)
     for g, w in zip(got, want):
