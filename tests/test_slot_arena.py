@@ -272,10 +272,16 @@ def stack_and_views(samples):
 
 
 @pytest.mark.parametrize("layout_name", sorted(LAYOUTS))
-@pytest.mark.parametrize("collate_fn", [records, stack_and_views])
+@pytest.mark.parametrize("collate_fn", [records, stack_and_views, None])
 def test_every_memory_layout_born_in_the_worker_comes_back_as_torchs(layout_name, collate_fn):
     """Samples made in the worker (born in the slot) in every memory layout, through a records
-    collate and through one returning stacks, views and Fortran copies side by side."""
+    collate, one returning stacks, views and Fortran copies side by side, and the default one."""
+    if collate_fn is None and layout_name == "reversed":  # torch's default collate refuses negative strides
+        with pytest.raises(ValueError, match="negative"):
+            list(DataLoader(Layouts(layout_name), batch_size=4))
+        with pytest.raises(ValueError, match="negative"):
+            list(ShmDataLoader(Layouts(layout_name), batch_size=4, num_workers=2))
+        return
     shm, ref, _ = _both(Layouts(layout_name), collate_fn, hold=True, num_workers=2)
     assert_same_batches(shm, ref)
     del shm
