@@ -24,7 +24,7 @@ from shmloader import RingFullError, ShmDataLoader
 
 from . import _datasets as ds
 from ._helpers import assert_same_batches, collect, seeded
-from .conftest import mapped_segments, wait_until
+from .conftest import SHM_PREFIX, mapped_segments, wait_until
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("no_leaks")]
 
@@ -235,9 +235,16 @@ class _SizedBatches(torch.utils.data.Dataset):
         return torch.full((self.sizes[i] // 4,), float(i))
 
 
-def _shm_used() -> int:
-    st = os.statvfs("/dev/shm")
-    return (st.f_blocks - st.f_bfree) * st.f_frsize
+def _shm_held() -> int:
+    """Bytes of /dev/shm in the shmloader segments this process maps (pages given back to
+    /dev/shm not counted): other processes' use of /dev/shm, other tests' too, leaves it alone."""
+    blocks = {}
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            if "/dev/shm/" + SHM_PREFIX in line:
+                st = os.stat(f"/proc/self/map_files/{line.split()[0]}")
+                blocks[st.st_ino] = st.st_blocks * 512
+    return sum(blocks.values())
 
 
 @pytest.mark.parametrize("order", ["outlier first", "padded"])
@@ -251,10 +258,9 @@ def test_held_batches_of_varying_size_cost_their_own_size(order):
         sizes = [mib // 4, 24 * mib] + [2 * mib] * 12
     else:
         sizes = [(1 + (7 * i) % 9) * mib for i in range(16)]  # 1..9 MiB, no order
-    base = _shm_used()
     loader = ShmDataLoader(_SizedBatches(sizes), batch_size=1, num_workers=WORKERS)
     kept = [batch for k, batch in enumerate(loader) if k >= 2]
-    used = _shm_used() - base  # the iterator is done: the ring is closed, only held batches remain
+    used = _shm_held()  # the iterator is done: the ring is closed, only held batches remain
     kept_bytes = sum(sizes[2:])
     assert used <= kept_bytes * 1.05 + mib, f"{used / mib:.1f} MiB held for {kept_bytes / mib:.1f} MiB of batches"
     for k, batch in enumerate(kept, start=2):
