@@ -8,7 +8,8 @@ patterns (so NaN payloads and signed zeros too), strings, None and Python number
   * layout, custom collate (identity): plan_batch → write_batch into a real segment → read_batch
     gives back the same structure, leaf types, dtypes, shapes and bytes;
   * layout, default collate: collate_into_slot → slot → read_batch equals default_collate;
-  * end to end: ShmDataLoader equals torch's DataLoader on the same samples, for both collates;
+  * end to end: ShmDataLoader equals torch's DataLoader on the same samples, for both collates,
+    and on samples made in the worker (born in the slot), as they are or beside views of them;
   * unsupported leaves (open files, lambdas, object arrays holding them, CUDA-less oddities)
     raise LayoutError naming the leaf's path, in the layout and through a real loader.
 """
