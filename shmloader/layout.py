@@ -581,24 +581,25 @@ def _copy_tensor(segment: _ring.Segment, offset: int, tensor: torch.Tensor) -> N
 
 
 def memory_bounds(value) -> tuple[int, int]:
-    """The addresses [lo, hi) that an array's or a tensor's elements may occupy."""
-    if type(value) is np.ndarray:
+    """The addresses [lo, hi) that an array's (a memmap, a masked array's data) or a tensor's
+    elements may occupy."""
+    if isinstance(value, np.ndarray):
         return _byte_bounds(value)
     storage = value.untyped_storage()
     return storage.data_ptr(), storage.data_ptr() + storage.nbytes()
 
 
 def data_address(value) -> int:
-    return value.__array_interface__["data"][0] if type(value) is np.ndarray else value.data_ptr()
+    return value.__array_interface__["data"][0] if isinstance(value, np.ndarray) else value.data_ptr()
 
 
 def c_contiguous(value) -> bool:
-    return value.flags.c_contiguous if type(value) is np.ndarray else value.is_contiguous()
+    return value.flags.c_contiguous if isinstance(value, np.ndarray) else value.is_contiguous()
 
 
 def _plain_bytes(row) -> bool:
     """Whether a row's memory holds its values as they are (C order, no conj / neg bit)."""
-    if type(row) is np.ndarray:
+    if isinstance(row, np.ndarray):
         return row.flags.c_contiguous
     return row.is_contiguous() and not row.is_conj() and not row.is_neg()
 
@@ -673,7 +674,7 @@ def _settle_sources(segment: _ring.Segment, leaves: list) -> list:
         start, end = memory_bounds(value)
         if end <= lo or hi <= start:
             return value
-        if type(value) is np.ndarray:  # in the memory order its descriptor says (F stays F)
+        if isinstance(value, np.ndarray):  # in the memory order its descriptor says (F stays F)
             return value.copy(order="F" if value.flags.f_contiguous and not value.flags.c_contiguous else "C")
         return value.clone()
 

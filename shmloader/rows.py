@@ -436,6 +436,13 @@ def write_row(segment, schema: RowSchema, row: int, sample, born_in_row: bool = 
     arena: a leaf already there (C-contiguous, that address) is not copied, and any other value
     whose memory lies in that row is copied out first, so no write reads bytes another write has
     overwritten.  Returns the bytes found in place."""
+    done, ready = prepare_row(segment, schema, row, sample, born_in_row)
+    return write_prepared(segment, schema, row, done, ready)
+
+
+def prepare_row(segment, schema: RowSchema, row: int, sample, born_in_row: bool = False):
+    """write_row's checks: (the leaf found in place or None, each leaf's value ready to copy,
+    none of them lying in the in-place leaf's row but the one found in place)."""
     if not 0 <= row < schema.batch_size:
         raise IndexError(f"row {row} is outside a batch of {schema.batch_size}")
     if segment.size < schema.total_bytes:
@@ -446,9 +453,15 @@ def write_row(segment, schema: RowSchema, row: int, sample, born_in_row: bool = 
     done = None
     if born_in_row:
         done, ready = _in_place(segment, schema, row, ready)
+    return done, ready
+
+
+def write_prepared(segment, schema: RowSchema, row: int, done, ready: list, skip=None) -> int:
+    """Copy what prepare_row made ready into row `row`, but leaf `skip` (its row holds an array
+    the dataset keeps); returns the bytes found in place."""
     for leaf, value in zip(schema.leaves, ready):
         at = leaf.offset + row * leaf.row_nbytes
-        if leaf is done:
+        if leaf is done or leaf is skip:
             continue
         if type(value) is bytes:
             segment.write(at, value)
@@ -457,6 +470,13 @@ def write_row(segment, schema: RowSchema, row: int, sample, born_in_row: bool = 
         else:
             layout._copy_tensor(segment, at, value)
     return done.row_nbytes if done is not None else 0
+
+
+def row_bytes(value) -> bytes:
+    """The bytes a ready array or tensor value writes into its row (C order)."""
+    if isinstance(value, np.ndarray):
+        return np.ascontiguousarray(value).tobytes()
+    return value.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
 
 
 def _in_place(segment, schema: RowSchema, row: int, ready: list) -> tuple[RowLeaf | None, list]:
@@ -473,7 +493,7 @@ def _in_place(segment, schema: RowSchema, row: int, ready: list) -> tuple[RowLea
                 if leaf is target and layout.data_address(value) == row_lo and layout.c_contiguous(value):
                     done = leaf
                 else:  # another leaf, or a view of the row (a transpose...): copy it out first
-                    value = value.copy() if type(value) is np.ndarray else value.clone()
+                    value = value.copy() if isinstance(value, np.ndarray) else value.clone()
         out.append(value)
     return done, out
 

@@ -98,6 +98,12 @@ NOTE [ Rows born in place ]
   the main process delivers that batch as a private copy of the slot with the row's bytes put
   back as the worker sent them (the batch as fetched, as torch's would be), gives that slot a
   new segment the next time it claims it, and the worker's old mapping stays with the cache.
+  The array born in the row may also be one the dataset keeps and does not return (a buffer it
+  makes on that call: a mean image, a noise bank), the sample being made elsewhere.  So before
+  a sample not found in place is written, the arena is asked whether a block is still live
+  with the sample's own references dropped: if so, the row is left to the dataset's array, and
+  Kept carries the sample's bytes instead (writing them over the buffer changed every later
+  sample of that worker).
   Off with
   SHMLOADER_SLOT_ARENA=0, as the default mode's arena.
 
@@ -290,7 +296,7 @@ class _RowsWorker:
         # Not populated: this worker writes a few rows of it (a mismatch is a protocol error).
         segment = worker._attach(slot, generation, capacity, fds, populate=False)
         stage, row = worker.stage, first_row
-        arena, in_row, in_place, done, sample = None, False, 0, None, None
+        arena, in_row, in_place, done, sample, ready = None, False, 0, None, None, None
         try:
             if worker.init_error is not None:
                 stage, payload = worker.init_error
@@ -309,29 +315,42 @@ class _RowsWorker:
                     with arena:
                         sample = self.fetch(worker, epoch, idx, row, index)
                 stage = worker._enter(WRITING, idx)
-                in_place += rows.write_row(segment, schema, row, sample, in_row)
+                placed, ready = rows.prepare_row(segment, schema, row, sample, in_row)
                 sample = None
+                kept_row = None
+                if in_row and placed is None and arena.live:
+                    # The dataset returned another array, and keeps one born in the row (a buffer
+                    # it made on this call): leave the row to it and send the sample's bytes
+                    # (NOTE [ Rows born in place ]).
+                    leaf = schema.in_place_leaf
+                    kept_row = rows.row_bytes(ready[schema.leaves.index(leaf)])
+                in_place += rows.write_prepared(segment, schema, row, placed, ready,
+                                                skip=schema.in_place_leaf if kept_row is not None else None)
+                ready = None
+                if kept_row is not None:
+                    worker.channel.send(Kept(slot, generation, arena.begin, kept_row))
                 if arena is not None:
-                    self.settle(worker, arena, in_row, segment, slot, generation)
+                    self.settle(worker, arena, in_row, segment, slot, generation, row_sent=kept_row is not None)
                     arena = None
         except Exception as exc:
             done = Failed(epoch, idx, f"{stage}, at row {row} (index {indices[row - first_row]!r})",
                           exception_payload(exc))
         if arena is not None:  # a fetch or a write raised: the traceback is gone by now
-            sample = None  # noqa: F841 (ours: only the dataset's references may keep the arena alive)
+            sample = ready = None  # noqa: F841 (ours: only the dataset's references may keep the arena alive)
             self.settle(worker, arena, in_row, segment, slot, generation)
         worker.channel.send(done or RowsDone(epoch, idx, len(indices), in_place))
 
-    def settle(self, worker, arena, in_row: bool, segment, slot: int, generation: int) -> None:
+    def settle(self, worker, arena, in_row: bool, segment, slot: int, generation: int,
+               row_sent: bool = False) -> None:
         """The sample is written and dropped: does the dataset keep an array born in the arena?
-        (NOTE [ Rows born in place ])"""
+        (NOTE [ Rows born in place ]; `row_sent`: the row's Kept is sent already)"""
         row = (arena.begin, arena.end)
         kept = arena.release()
         if self.in_place is None and not in_row:
             self.in_place = kept == 0  # the probe's answer (later keeps: Kept, below)
         elif kept:
             self.in_place = False
-            if in_row:  # the row's bytes now, before the dataset can change its array
+            if in_row and not row_sent:  # the row's bytes now, before the dataset can change its array
                 worker.channel.send(Kept(slot, generation, row[0], segment.read(row[0], row[1] - row[0])))
 
 

@@ -181,3 +181,66 @@ def test_sample_parallel_a_kept_row_changed_before_its_batch_completes_is_delive
     for batch in got:
         assert bool((batch == batch[:, :1, :1]).all()), "a row is not one value throughout"
     del got, loader
+
+
+class KeepsABufferItDoesNotReturn(Dataset):
+    """On its second call in each process it makes a row-sized buffer (born in the row being
+    fetched) and keeps it as state; every sample is made apart from it and adds it: a lazily
+    built mean image or noise bank.  Each call checks that the buffer still holds what it
+    wrote."""
+
+    def __len__(self):
+        return 32
+
+    def __getitem__(self, i):
+        self.calls = getattr(self, "calls", 0) + 1
+        if self.calls == 2:
+            self.offset = np.empty(SHAPE)
+            self.offset.fill(0.5)
+        if self.calls >= 2 and not bool((self.offset == 0.5).all()):
+            raise AssertionError("the dataset's kept buffer was overwritten")
+        sample = np.full(SHAPE, float(i))
+        sample += self.offset if self.calls >= 2 else 0.5
+        return sample
+
+
+@pytest.mark.parametrize("num_workers", [1, 2])
+def test_sample_parallel_never_writes_a_row_over_a_buffer_the_dataset_keeps(num_workers):
+    """NOTE [ Rows born in place ]: the buffer takes the row's memory and the sample comes from
+    elsewhere; the sample's row must not be written over the buffer (the worker wrote it there,
+    and every later sample of that worker added another sample's values: 14 of 32 rows wrong)."""
+    kwargs = {"batch_size": 8}
+    want = [b for b in DataLoader(KeepsABufferItDoesNotReturn(), **kwargs)]
+    loader = ShmDataLoader(KeepsABufferItDoesNotReturn(), num_workers=num_workers, sample_parallel=True, **kwargs)
+    held = [b for b in loader]
+    assert_same_batches(held, want)
+    assert_same_batches([b for b in loader], want)  # a second epoch
+    del held, loader
+
+
+class MemmapAndMaskedRows(Dataset):
+    """Samples with a memory-mapped row and a masked-array row, beside a row of 20 KiB (fetched
+    into the slot, NOTE [ Samples born in the slot ]); torch's default_collate takes both as the
+    arrays they are."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __len__(self):
+        return 16
+
+    def __getitem__(self, i):
+        table = np.load(self.path, mmap_mode="r")
+        masked = np.ma.masked_array(np.full((16, 300), i, np.float32), mask=False)
+        return {"memmap": table[i], "masked": masked, "y": np.full(5000, i, np.float32)}
+
+
+def test_memmap_and_masked_rows_under_the_default_collate(tmp_path):
+    """They raised AttributeError ('memmap' object has no attribute 'data_ptr') while the batch
+    was written, where torch gives the batch: numpy subclasses were taken for tensors."""
+    path = tmp_path / "table.npy"
+    np.save(path, np.arange(16 * 1000, dtype=np.float32).reshape(16, 1000))
+    want = [b for b in DataLoader(MemmapAndMaskedRows(path), batch_size=4)]
+    got = [b for b in ShmDataLoader(MemmapAndMaskedRows(path), batch_size=4, num_workers=2)]
+    assert_same_batches(got, want)
+    del got
