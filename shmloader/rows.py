@@ -231,9 +231,8 @@ def _plan(skeleton, batch_size: int, leaves, tree) -> RowSchema:
 def _learn_tree(obj, path: str, found: list) -> tuple:
     """The structure node of `obj` (the paths as layout.iter_leaves writes them); supported
     leaves are appended to `found`."""
+    obj = _plain_array(obj)
     kind = type(obj)
-    if kind is np.memmap:  # torch's default_collate takes a memmap as the ndarray it is
-        obj, kind = obj.view(np.ndarray), np.ndarray
     if isinstance(obj, Mapping):
         if kind not in (dict, collections.OrderedDict):
             raise RowsUnsupportedError(
@@ -311,11 +310,22 @@ def _mismatch(what: str, path: str, row: int, expected: str, got: str) -> BatchS
     return BatchShapeError(f"{what}: expected {expected} at {path} row {row}, got {got}")
 
 
+def _plain_array(obj):
+    """What torch's default_collate stacks of a numpy subclass: a memmap is the ndarray it is, a
+    masked array its data (torch.as_tensor ignores the mask); anything else as it is."""
+    kind = type(obj)
+    if kind is np.memmap:
+        return obj.view(np.ndarray)
+    if kind is np.ma.MaskedArray and obj._baseclass is np.ndarray:
+        return obj.data
+    return obj
+
+
 def _gather(node, obj, path: str, row: int, out: list) -> None:
     """Check `obj` against `node` and append its leaves to `out` in the schema's order."""
     tag = node[0]
     if tag == "leaf":
-        out.append(obj.view(np.ndarray) if type(obj) is np.memmap else obj)  # as _learn_tree
+        out.append(_plain_array(obj))  # as _learn_tree
         return
     kind = node[1]
     if tag == "map":

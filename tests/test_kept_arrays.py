@@ -231,16 +231,20 @@ class MemmapAndMaskedRows(Dataset):
 
     def __getitem__(self, i):
         table = np.load(self.path, mmap_mode="r")
-        masked = np.ma.masked_array(np.full((16, 300), i, np.float32), mask=False)
+        masked = np.ma.masked_array(np.full((16, 300), i, np.float32), mask=np.arange(4800).reshape(16, 300) % 3 == 0)
         return {"memmap": table[i], "masked": masked, "y": np.full(5000, i, np.float32)}
 
 
-def test_memmap_and_masked_rows_under_the_default_collate(tmp_path):
-    """They raised AttributeError ('memmap' object has no attribute 'data_ptr') while the batch
-    was written, where torch gives the batch: numpy subclasses were taken for tensors."""
+@pytest.mark.parametrize("sample_parallel", [False, True])
+def test_memmap_and_masked_rows_under_the_default_collate(tmp_path, sample_parallel):
+    """torch stacks a memmap as the array it is and a masked array's data (its mask ignored).
+    In the default mode they raised AttributeError ('memmap' object has no attribute
+    'data_ptr') while the batch was written (numpy subclasses were taken for tensors); under
+    sample_parallel a masked array was refused (RowsUnsupportedError)."""
     path = tmp_path / "table.npy"
     np.save(path, np.arange(16 * 1000, dtype=np.float32).reshape(16, 1000))
     want = [b for b in DataLoader(MemmapAndMaskedRows(path), batch_size=4)]
-    got = [b for b in ShmDataLoader(MemmapAndMaskedRows(path), batch_size=4, num_workers=2)]
+    got = [b for b in ShmDataLoader(MemmapAndMaskedRows(path), batch_size=4, num_workers=2,
+                                    sample_parallel=sample_parallel)]
     assert_same_batches(got, want)
     del got
