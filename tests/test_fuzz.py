@@ -220,6 +220,11 @@ def test_default_collate_into_slot_equals_default_collate(spec, seed, batch_size
 # -- end to end, fewer examples --------------------------------------------------------------------
 
 
+END_TO_END = settings(max_examples=16, deadline=None, database=None,
+                      suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+LOADER_SPECS = specs(st.one_of(array_specs, tensor_specs, scalar_specs))
+
+
 class _Samples(Dataset):
     def __init__(self, samples):
         self.samples = samples
@@ -236,9 +241,8 @@ def _as_is(samples):
 
 
 @pytest.mark.timeout(240)
-@settings(max_examples=16, deadline=None, database=None,
-          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-@given(spec=specs(st.one_of(array_specs, tensor_specs, scalar_specs)), seed=st.integers(0, 2**32 - 1),
+@END_TO_END
+@given(spec=LOADER_SPECS, seed=st.integers(0, 2**32 - 1),
        custom=st.booleans())
 def test_loader_matches_torch_dataloader(spec, seed, custom):
     rng = np.random.default_rng(seed)
@@ -288,9 +292,8 @@ def _with_views(samples):
 
 
 @pytest.mark.timeout(240)
-@settings(max_examples=16, deadline=None, database=None,
-          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-@given(spec=specs(st.one_of(array_specs, tensor_specs, scalar_specs)), seed=st.integers(0, 2**32 - 1),
+@END_TO_END
+@given(spec=LOADER_SPECS, seed=st.integers(0, 2**32 - 1),
        with_views=st.booleans())
 def test_samples_born_in_the_worker_match_torch_dataloader(spec, seed, with_views):
     """As above with samples made in the worker, so that large ones are born in the slot, and a
