@@ -49,10 +49,12 @@ class SlotTensorMode(TorchFunctionMode):
     def __init__(self, min_bytes: int):
         super().__init__()
         self.min_bytes = min_bytes
+        self.builder_calls = 0  # torch.stack / torch.cat calls seen (a worker learns from it)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func in _BUILDERS and "out" not in kwargs:
+            self.builder_calls += 1
             out = self._output_for(func, args, kwargs)
             if out is not None:
                 return func(*args, **kwargs, out=out)

@@ -39,6 +39,7 @@ import torch
 from torch.utils.data import default_convert
 
 from . import heap, layout, protocol, torch_private
+from ._ring import SlotArena
 from .arena import SlotTensorMode, empty_tensor
 from .channel import Channel, ChannelClosed
 from .errors import SlotProtocolError
@@ -101,7 +102,12 @@ COLLATE_CUSTOM = "custom"  # the user's collate_fn, output copied once (or born 
 #   GUESS_MIN_BYTES up (below, that copy costs little), and a batch that turns out more than
 #   GUESS_MAX_WASTE times smaller than the guess goes to a slot of its own size instead: the ring
 #   learns its slot size from the first slot, which must not be the guess's mistake.
+#   SlotTensorMode costs a worker microseconds a batch, and every torch call inside the collate_fn
+#   goes through it: a worker whose collate_fn made no torch.stack / torch.cat call in its first
+#   TENSOR_MODE_LEARN_BATCHES batches with an arena (a numpy collate_fn) runs it without the mode
+#   from then on.  A later torch.stack there is then copied once, as any heap tensor is.
 ARENA_MIN_BYTES = 16 * 1024
+TENSOR_MODE_LEARN_BATCHES = 8
 GUESS_MIN_BYTES = 8 << 20
 GUESS_MAX_WASTE = 2
 # NOTE [ Arrays kept across batches ]
@@ -292,6 +298,8 @@ class _Worker:
         iterable = spec.dataset_kind == torch_private.DatasetKind.Iterable
         self.samples_in_slot = SamplesInSlot(iterable)  # torch's default_collate
         self.samples_in_arena = SamplesInArena(iterable)  # a collate_fn that passes samples through
+        self.arena_on = os.environ.get("SHMLOADER_SLOT_ARENA", "1") != "0"
+        self.tensor_mode_unused = 0  # batches in a row whose collate_fn built no tensor under the mode
 
     def _enter(self, stage: int, idx: int = -1) -> str:
         """Record the stage in this worker's status word (and time the one it leaves: NOTE
@@ -528,8 +536,13 @@ class _Worker:
             elif spec.collate_mode == COLLATE_CONVERT:
                 batch = default_convert(samples)
             else:
-                if arena is not None:
-                    with arena, SlotTensorMode(ARENA_MIN_BYTES):
+                if arena is not None and self.tensor_mode_unused < TENSOR_MODE_LEARN_BATCHES:
+                    mode = SlotTensorMode(ARENA_MIN_BYTES)
+                    with arena, mode:
+                        batch = self.collate_fn(samples)
+                    self.tensor_mode_unused = 0 if mode.builder_calls else self.tensor_mode_unused + 1
+                elif arena is not None:  # a numpy collate_fn: without the mode
+                    with arena:
                         batch = self.collate_fn(samples)
                 else:
                     batch = self.collate_fn(samples)
@@ -647,10 +660,8 @@ class _Worker:
         """(a SlotArena over the granted slot, the new segment made for it if the slot had none
         yet), or (None, None) before the ring knows its slot size and without a `guess` of it,
         or when turned off (NOTE [ One copy for a numpy collate_fn ])."""
-        if os.environ.get("SHMLOADER_SLOT_ARENA", "1") == "0":
+        if not self.arena_on:
             return None, None
-        from ._ring import SlotArena
-
         segment, fresh = self.segment_for(grant, guess)
         if segment is None:
             return None, None

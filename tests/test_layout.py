@@ -260,3 +260,95 @@ def test_a_leaf_past_the_payload_end_is_refused():
         layout.read_batch(lease, segment.read(plan.descriptor_offset, len(plan.descriptor)),
                           HEADER_BYTES + 8000 - 8)
     del lease, segment
+
+
+# -- NOTE [ One-leaf batches ]: plan_batch's shortcut gives the pickler's plan ----------------------
+
+
+def _one_leaf_cases():
+    c = np.arange(24, dtype=np.float32).reshape(4, 6)
+    rows = [np.full((3, 5), i, np.int16) for i in range(4)]
+    return {
+        **{f"C {np.dtype(t)}": (np.arange(12) % 3).astype(t).reshape(3, 4) for t in NUMPY_DTYPES},
+        "Fortran": np.asfortranarray(c),
+        "transposed (F)": c.T,
+        "strided": c[:, ::2],
+        "reversed": c[::-1],
+        "empty": np.zeros((0, 3)),
+        "0-d": np.array(7),
+        "datetime": np.arange(5).astype("datetime64[s]"),
+        "structured": np.zeros(3, dtype=[("a", "<i4"), ("b", "<f8")]),
+        "with metadata": np.zeros(3, dtype=np.dtype(np.float64, metadata={"unit": "m"})),
+        "objects": np.array([1, "x", None], dtype=object),
+        "swapped bytes": np.arange(6, dtype=">i4"),
+        "stacked rows": layout.collate_into_slot(rows),
+        "stacked tensors": layout.collate_into_slot([torch.full((2, 3), float(i)) for i in range(3)]),
+    }
+
+
+def _plan_fields(plan, given):
+    """A plan's fields; a leaf is named by identity when it is the `given` one, else (a converted
+    copy, say of swapped bytes) by its dtype, shape and bytes."""
+    def name(leaf):
+        return id(leaf) if leaf is given else (leaf.dtype.str, leaf.shape, leaf.tobytes())
+    return (plan.descriptor, [(offset, name(leaf)) for offset, leaf in plan.leaves], plan.descriptor_offset,
+            plan.total_bytes, plan.in_place_bytes)
+
+
+def _pickler_plan(monkeypatch, structure, arena=None):
+    with monkeypatch.context() as patched:
+        patched.setattr(layout, "_plan_one_leaf", lambda *args: None)
+        return layout.plan_batch(structure, arena)
+
+
+@pytest.mark.parametrize("name", list(_one_leaf_cases()))
+def test_a_one_leaf_plan_is_the_picklers(name, monkeypatch):
+    leaf = _one_leaf_cases()[name]
+    want = _plan_fields(_pickler_plan(monkeypatch, leaf), leaf)
+    assert _plan_fields(layout.plan_batch(leaf), leaf) == want
+    assert _plan_fields(layout.plan_batch(leaf), leaf) == want  # the descriptor from the cache
+    batch, released, segment = _write(leaf)
+    if isinstance(leaf, layout.StackedLeaf):
+        assert_same(batch, torch.stack([torch.as_tensor(row) for row in leaf.rows]))
+    else:
+        assert_same(batch, pickle.loads(pickle.dumps(leaf)))  # what torch's pickling gives
+    del batch, segment
+    gc.collect()
+    assert released == [(3, 0)]
+
+
+def test_one_leaf_plans_of_one_shape_at_other_offsets_differ():
+    a = np.zeros((2, 3), np.float32)
+    first = layout.plan_batch(a)
+    assert layout.plan_batch(a.astype(np.float64)).descriptor != first.descriptor
+    assert layout.plan_batch(a.reshape(3, 2)).descriptor != first.descriptor
+    assert layout.plan_batch(np.asfortranarray(np.zeros((3, 2), np.float32)).T).descriptor == first.descriptor
+
+
+def test_one_leaf_plan_with_an_arena_is_the_picklers(monkeypatch):
+    from shmloader._ring import SlotArena
+
+    segment = create_segment(1 << 22, 0)
+    arena = SlotArena(segment, layout.HEADER_BYTES, 16 * 1024)
+    samples = [np.full(8192, i, np.float32) for i in range(8)]
+    with arena:
+        born = np.stack(samples)  # one block of the arena: described where it is
+        block = np.zeros(64 * 1024, np.uint8)
+    cases = {"born in the arena": born, "Fortran view of it": born.T, "unaligned part of a block": block[1:],
+             "rows of it": born[2:5], "not in the arena": np.ones(9000, np.float32),
+             "empty": np.zeros((0, 4), np.float32)}
+    for name, leaf in cases.items():
+        got, want = layout.plan_batch(leaf, arena), _pickler_plan(monkeypatch, leaf, arena)
+        assert _plan_fields(got, leaf) == _plan_fields(want, leaf), name
+    assert layout.plan_batch(born, arena).in_place_bytes == born.nbytes
+    assert layout.plan_batch(born, arena).leaves == []
+    del born, block, cases, got, want, leaf
+    assert arena.release() == 0
+    del arena, segment
+    gc.collect()
+
+
+def test_a_one_leaf_stacking_problem_still_names_the_shapes():
+    leaf = layout.collate_into_slot([np.zeros((2, 3)), np.zeros((3, 2))])
+    with pytest.raises(BatchShapeError, match=r"cannot stack samples at batch"):
+        layout.plan_batch(leaf)

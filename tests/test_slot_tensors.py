@@ -81,6 +81,28 @@ def test_torch_collates_are_built_in_the_slot(collate_fn):
     assert stats.in_place_bytes >= (len(shm) - 4) * 4 * ROW * 0.9, stats
 
 
+def test_the_mode_stays_for_a_collate_that_stacks_tensors_batch_after_batch():
+    """Past the workers' first TENSOR_MODE_LEARN_BATCHES (worker.py) too."""
+    shm, ref, stats = _both(TensorRows(n=160), stack)
+    assert_same_batches(shm, ref)
+    assert stats.in_place_bytes >= (len(shm) - 4) * 4 * ROW * 0.9, stats
+
+
+def numpy_then_torch(samples):
+    """np.stack for the first 80 indices (10 batches per worker, 9 with an arena: the mode is
+    dropped after 8), then torch.stack, which must still give torch's batches."""
+    if samples[0][0] < 80:
+        return np.stack([s.numpy() for s in samples])
+    return torch.stack(samples)
+
+
+def test_a_collate_that_turns_to_torch_stack_late_still_gives_torchs_batches():
+    shm, ref, stats = _both(TensorRows(n=160), numpy_then_torch)
+    assert [type(b) for b in shm] == [np.ndarray] * 20 + [torch.Tensor] * 20
+    assert_same_batches(shm, ref)
+    assert stats.in_place_bytes <= 20 * 4 * ROW, stats  # the torch batches were copied: the mode was dropped
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.complex64, torch.bool, torch.int8])
 def test_dtypes_without_or_with_odd_numpy_twins(dtype):
     shm, ref, stats = _both(TensorRows(n=16, dtype=dtype), stack)
