@@ -268,7 +268,7 @@ class _Failure:
         else:  # outside any task: the worker has exited
             where += "; the worker exited and the loader has been shut down"
         text += note
-        original = None
+        original = None  # the worker's exception, or only its type (exception_payload in worker.py)
         if blob is not None:
             try:
                 import pickle
@@ -276,15 +276,16 @@ class _Failure:
                 original = pickle.loads(blob)
             except Exception:
                 original = None
+        kind = original if isinstance(original, type) else type(original)
         summary = f"Caught {type_name.rsplit('.', 1)[-1]} {where}.\nOriginal {text}"
         exc: BaseException = WorkerError(summary)
         # SystemExit or KeyboardInterrupt in a worker ends that worker, not the training process:
         # torch raises a RuntimeError for it, which `except Exception` catches; so does WorkerError.
-        if original is not None and isinstance(original, Exception):
+        if original is not None and issubclass(kind, Exception):
             try:  # a KeyError's message printed as text, not repr()-ed, as torch does
-                exc = type(original)(torch_private.key_error_message(summary) if type(original) is KeyError else summary)
+                exc = kind(torch_private.key_error_message(summary) if kind is KeyError else summary)
             except Exception:
-                if type(original).__module__.split(".")[0] == "shmloader":
+                if kind.__module__.split(".")[0] == "shmloader" and not isinstance(original, type):
                     # Ours, whose constructor takes its fields (ShmCapacityError from a slot's
                     # growth): the worker's own instance, fields intact, with our summary.
                     original.args = (summary,)

@@ -199,13 +199,17 @@ class WorkerSpec:
 
 def exception_payload(exc: BaseException) -> tuple:
     """What the main process needs to re-raise a worker's exception: the pickled exception if it
-    pickles, its type, message and formatted traceback."""
+    pickles, else its pickled type (an exception carrying a lock or a file: torch's workers send
+    only the type too), or None; its type's name, message and formatted traceback."""
     text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-    try:
-        blob = pickle.dumps(exc, protocol=pickle.HIGHEST_PROTOCOL)
-        pickle.loads(blob)
-    except Exception:
-        blob = None
+    blob = None
+    for what in (exc, type(exc)):
+        try:
+            blob = pickle.dumps(what, protocol=pickle.HIGHEST_PROTOCOL)
+            pickle.loads(blob)
+            break
+        except Exception:
+            blob = None
     return (blob, f"{type(exc).__module__}.{type(exc).__qualname__}", str(exc), text)
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 import typing
 
@@ -126,6 +127,33 @@ def test_an_error_that_cannot_be_rebuilt_from_a_message_is_a_runtime_error_as_to
         caught.append(error.value)
     assert isinstance(caught[1], RuntimeError) and type(caught[0]) is RuntimeError
     assert "Caught" in str(caught[1]) and ("NeedsTwo" in str(caught[1]) or "UFunc" in str(caught[1]))
+
+
+class _RaisesWithALock(Dataset):
+    """Raises at index 1 an exception that does not pickle (it carries a lock)."""
+
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, i):
+        if i == 1:
+            error = ValueError("bad sample 1")
+            error.handle = threading.Lock()
+            raise error
+        return torch.tensor([i])
+
+
+def test_an_exception_that_does_not_pickle_keeps_its_type_as_torch():
+    """torch's workers send only the exception's type and text; so does a worker whose exception
+    does not pickle.  The epoch goes on after it, as under torch."""
+    got = []
+    for loader_class in (DataLoader, ShmDataLoader):
+        it = iter(loader_class(_RaisesWithALock(), batch_size=2, num_workers=1))
+        with pytest.raises(ValueError, match="bad sample 1") as error:
+            next(it)
+        got.append((type(error.value), next(it).tolist()))
+        del it
+    assert got[0] == got[1] == (ValueError, [[2], [3]])
 
 
 def test_collate_exception_names_the_stage():
