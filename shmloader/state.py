@@ -39,6 +39,7 @@ NOTE [ Resuming mid-epoch ]
 from __future__ import annotations
 
 import copy
+import inspect
 import itertools
 import warnings
 from collections import deque
@@ -58,13 +59,54 @@ _TORCHDATA_KEYS = ("_snapshot", "_num_yielded", "_steps_since_snapshot", "_index
 _KINDS = {_DatasetKind.Map: "map-style", _DatasetKind.Iterable: "iterable"}
 
 
+# NOTE [ Which objects have a state ]
+#   torchdata's `Stateful` protocol is duck-typed: state_dict() and load_state_dict().  torch's
+#   DataLoader never calls them, and many datasets have methods of those names for something
+#   else: an nn.Module (its weights: a dataset that holds a 32 MiB buffer sent its weights with
+#   every batch, 24x slower than torch), or a streaming dataset whose state_dict() needs arguments
+#   (MosaicML's, LitData's) or raises in a worker.  So an object counts as stateful only if it is
+#   no nn.Module and its state_dict() can be called with no arguments; and a state_dict() that
+#   raises never fails a batch: its error is kept in place of the state, and
+#   ShmDataLoader.state_dict() raises it, naming the object, if asked for a state that needs it.
+STATE_ERROR = "shmloader_state_error"
+
+
 def is_stateful(obj: Any) -> bool:
-    """torchdata's `Stateful` protocol: the object has state_dict() and load_state_dict()."""
-    return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
+    """torchdata's `Stateful` protocol, as NOTE [ Which objects have a state ] narrows it."""
+    state_dict = getattr(obj, "state_dict", None)
+    if not (callable(state_dict) and callable(getattr(obj, "load_state_dict", None))):
+        return False
+    if isinstance(obj, torch.nn.Module):
+        return False
+    kind = type(obj)
+    takes_no_arguments = _NO_ARGUMENTS.get(kind)
+    if takes_no_arguments is None or getattr(state_dict, "__func__", None) is not getattr(kind, "state_dict", None):
+        try:
+            signature = inspect.signature(state_dict)
+            takes_no_arguments = all(p.default is not p.empty or p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+                                     for p in signature.parameters.values())
+        except (TypeError, ValueError):
+            takes_no_arguments = True  # a builtin without a signature: taken at its word
+        if getattr(state_dict, "__func__", None) is getattr(kind, "state_dict", None):
+            _NO_ARGUMENTS[kind] = takes_no_arguments  # the class's own method: asked once a class
+    return takes_no_arguments
+
+
+_NO_ARGUMENTS: dict[type, bool] = {}
 
 
 def _state_of(obj: Any):
-    return obj.state_dict() if is_stateful(obj) else None
+    """obj.state_dict(), None without one, or its error (NOTE [ Which objects have a state ])."""
+    if not is_stateful(obj):
+        return None
+    try:
+        return obj.state_dict()
+    except Exception as exc:
+        return {STATE_ERROR: f"{_name(obj)}.state_dict() raised {type(exc).__name__}: {exc}"}
+
+
+def _error_in(state: Any) -> str | None:
+    return state.get(STATE_ERROR) if isinstance(state, dict) else None
 
 
 def _load_into(obj: Any, saved: Any, what: str) -> None:
@@ -475,6 +517,15 @@ class IterState:
                           UserWarning, stacklevel=3)
         if self.loaded is not None:
             return copy.copy(self.loaded)  # a fast-forward is pending: the state is the loaded one
+        parts = [self.main["index_sampler"], self.main["sampler_iter"]]
+        parts += [part for worker in self.workers if worker is not None for part in (worker["dataset"], worker["iterator"])]
+        for part in parts:
+            error = _error_in(part)
+            if error is not None:  # NOTE [ Which objects have a state ]
+                raise RuntimeError(
+                    f"ShmDataLoader.state_dict: cannot save the loader's position: {error}. Make "
+                    "state_dict() work with no arguments, or rename it if it is not torchdata's "
+                    "protocol (the batches themselves are not affected)")
         return {
             FORMAT_KEY: FORMAT,
             "shmloader_version": __version__,
