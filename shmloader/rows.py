@@ -519,16 +519,19 @@ def publish_batch(segment, schema: RowSchema) -> None:
 
 _SEED_KEY = struct.Struct("<4Q")
 _MASK64 = (1 << 64) - 1
+_MASK63 = (1 << 63) - 1
 
 
 def sample_seed(base_seed: int, epoch: int, batch_idx: int, row: int) -> int:
-    """A 64-bit seed for one sample, a function of these four numbers only:
+    """A 63-bit seed for one sample, a function of these four numbers only:
 
         int.from_bytes(blake2b(pack("<4Q", base_seed, epoch, batch_idx, row) (each mod 2**64),
-                               digest_size=8, person=b"shmloader-rows").digest(), "little")
-    """
+                               digest_size=8, person=b"shmloader-rows").digest(), "little") % 2**63
+
+    Below 2**63, as the seeds of torch's workers are, so torch.initial_seed() fits an int64."""
     key = _SEED_KEY.pack(base_seed & _MASK64, epoch & _MASK64, batch_idx & _MASK64, row & _MASK64)
-    return int.from_bytes(hashlib.blake2b(key, digest_size=8, person=b"shmloader-rows").digest(), "little")
+    digest = hashlib.blake2b(key, digest_size=8, person=b"shmloader-rows").digest()
+    return int.from_bytes(digest, "little") & _MASK63
 
 
 def seed_sample(seed: int) -> None:
