@@ -15,7 +15,9 @@ NOTE [ Resuming mid-epoch ]
     is made, and on resume they are put back, the iterator is made again and k batches of
     indices are skipped; torch's global RNG is put back only for that replay, so the resuming
     process's own global RNG is left as it was.  So `shuffle=True` resumes the epoch's
-    permutation exactly, with or without a generator.
+    permutation exactly, with or without a generator.  In process (num_workers=0) torch draws
+    the first index at the first next(), not at iter(): the states are taken then (FIRST_INDEX),
+    or, for a state saved before that next(), the first index is drawn when it is saved.
   * each worker's dataset state (torchdata's protocol: a dataset, or the iterator its `__iter__`
     returns, with `state_dict`/`load_state_dict`).  A worker takes it right after fetching a
     batch's samples and sends it ("state", epoch, n, state) ahead of the batch; the main process
@@ -53,7 +55,8 @@ from .torch_private import DatasetKind as _DatasetKind
 from .torch_private import InfiniteConstantSampler as _InfiniteConstantSampler
 from .torch_private import SingleProcessDataLoaderIter as _SingleProcessDataLoaderIter
 
-FORMAT = 1  # bump on any change to what a state holds or means; older ones are refused
+FORMAT = 2  # bump on any change to what a state holds or means; older ones are refused
+FIRST_INDEX = "first index"  # in-process: the sampler's generators were taken at its first index
 FORMAT_KEY = "shmloader_state_format"
 _TORCHDATA_KEYS = ("_snapshot", "_num_yielded", "_steps_since_snapshot", "_index_sampler_state")
 _KINDS = {_DatasetKind.Map: "map-style", _DatasetKind.Iterable: "iterable"}
@@ -233,10 +236,14 @@ def _sampler_generators(loader) -> list[torch.Generator]:
 
 
 def _capture_rng(loader) -> dict:
+    return _rng_states(loader.generator, _sampler_generators(loader))
+
+
+def _rng_states(generator, sampler_generators: list[torch.Generator]) -> dict:
     return {
         # not a Generator: torch's iterator raises its TypeError right after (random_(generator=))
-        "loader": loader.generator.get_state() if isinstance(loader.generator, torch.Generator) else None,
-        "samplers": [g.get_state() for g in _sampler_generators(loader)],
+        "loader": generator.get_state() if isinstance(generator, torch.Generator) else None,
+        "samplers": [g.get_state() for g in sampler_generators],
         "global": torch.get_rng_state(),
     }
 
@@ -270,7 +277,7 @@ def _restore_sampler(it, loader, main: dict, rng: dict, single: bool) -> None:
     with torch.random.fork_rng(devices=[]):  # torch's global RNG only for the replay
         torch.set_rng_state(rng["global"])
         sampler_iter = iter(it._index_sampler)
-        if single:
+        if single and rng.get("at") != FIRST_INDEX:  # taken at iter(): before torch drew the seed
             _draw_base_seed(loader)
         skip = 0 if isinstance(it._index_sampler, _InfiniteConstantSampler) else main["yielded"]
         if skip:
@@ -368,6 +375,7 @@ class IterState:
         self.last_worker = self.num_workers - 1
         self.base_seed: int | None = None
         self.len_called = None
+        self.before_saving = None  # SingleProcessIter's hook: fix what a state saved now must fix
 
     @classmethod
     def attach(cls, it, loader) -> IterState:
@@ -517,6 +525,8 @@ class IterState:
                           UserWarning, stacklevel=3)
         if self.loaded is not None:
             return copy.copy(self.loaded)  # a fast-forward is pending: the state is the loaded one
+        if self.before_saving is not None:
+            self.before_saving()
         parts = [self.main["index_sampler"], self.main["sampler_iter"]]
         parts += [part for worker in self.workers if worker is not None for part in (worker["dataset"], worker["iterator"])]
         for part in parts:
@@ -544,6 +554,7 @@ class SingleProcessIter(_SingleProcessDataLoaderIter):
     """torch's in-process iterator (num_workers=0), resumable."""
 
     def __init__(self, loader) -> None:
+        self._rng_sources = (loader.generator, _sampler_generators(loader))
         tracker = IterState(loader, single=True)
         tracker.rng = _capture_rng(loader)  # before torch makes the sampler iterator and draws the seed
         super().__init__(loader)
@@ -559,7 +570,8 @@ class SingleProcessIter(_SingleProcessDataLoaderIter):
                 self._dataset_fetcher = restore_dataset(self._dataset_kind, self._dataset, worker,
                                                         self._new_fetcher)
         elif not (is_stateful(self._index_sampler) or is_stateful(self._sampler_iter)):
-            self._sampler_iter = _drawn(self._sampler_iter)  # fixed now, as a worker iterator's is
+            self._replay_from_first_index = True  # its generators' states taken then (_next_index)
+            tracker.before_saving = self._fix_first_index
         if not tracker.skip:
             tracker._take_single(self)  # the state at the start (or as loaded)
 
@@ -567,7 +579,24 @@ class SingleProcessIter(_SingleProcessDataLoaderIter):
         return _DatasetKind.create_fetcher(self._dataset_kind, self._dataset, self._auto_collation,
                                            self._collate_fn, self._drop_last)
 
+    _replay_from_first_index = False
+
+    def _fix_first_index(self) -> None:
+        """A state saved before the first next(): the sampler's first index is drawn now, so that
+        the run and its resumption draw the same permutation (torchdata's behaviour)."""
+        self._resumable.before_saving = None
+        if self._replay_from_first_index:
+            self._replay_from_first_index = False
+            self._sampler_iter = _drawn(self._sampler_iter)  # the replay's rng: as at iter()
+
     def _next_index(self):
+        if self._replay_from_first_index:
+            # torch draws a sampler's first index at the first next(), not at iter(): what the
+            # loop does in between (a seed set, a model made) shapes the permutation, so the
+            # replay starts from the generators' states of this moment
+            self._replay_from_first_index = False
+            self._resumable.before_saving = None
+            self._resumable.rng = {**_rng_states(*self._rng_sources), "at": FIRST_INDEX}
         index = super()._next_index()
         self._resumable.on_index(self)
         return index

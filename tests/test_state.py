@@ -263,6 +263,36 @@ def test_state_before_iteration_fixes_the_run(num_workers):
     assert runs[0]["batches_yielded"] == 0 and not runs[0]["epoch_finished"]
 
 
+@pytest.mark.parametrize("with_generator", [False, True])
+def test_in_process_the_first_index_is_drawn_at_the_first_next_as_torch_draws_it(with_generator):
+    """What the loop does between iter() and the first next() (a seed set, a model made) shapes
+    torch's permutation; and a state saved later in that epoch resumes it."""
+    def make(cls):
+        torch.manual_seed(5)
+        generator = torch.Generator().manual_seed(6) if with_generator else None
+        return cls(range(40), batch_size=4, shuffle=True, num_workers=0, generator=generator), generator
+
+    def first_epoch(cls):
+        loader, generator = make(cls)
+        it = iter(loader)
+        torch.manual_seed(7)  # between iter() and next()
+        if generator is not None:
+            generator.manual_seed(8)
+        return loader, it
+
+    loader, it = first_epoch(DataLoader)
+    want = [b.tolist() for b in it]
+    loader, it = first_epoch(ShmDataLoader)
+    got = [next(it).tolist() for _ in range(3)]
+    state = copy.deepcopy(loader.state_dict())
+    got += [b.tolist() for b in it]
+    assert got == want
+    resumed, _ = make(ShmDataLoader)
+    resumed.load_state_dict(state)
+    torch.manual_seed(9)  # the resuming process's global RNG is elsewhere
+    assert [b.tolist() for b in resumed] == want[3:]
+
+
 def test_load_then_state_dict_gives_the_loaded_state():
     """load_state_dict() then state_dict() before iterating: the loaded position (torchdata's
     behaviour: the resumed iterator is started and the next iter() uses it)."""
