@@ -8,7 +8,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from torch.utils.data import BatchSampler, DataLoader, Dataset, IterableDataset, SequentialSampler, get_worker_info
+from torch.utils.data import (
+    BatchSampler,
+    DataLoader,
+    Dataset,
+    IterableDataset,
+    SequentialSampler,
+    get_worker_info,
+)
 
 from shmloader import ShmDataLoader
 from shmloader.state import is_stateful
