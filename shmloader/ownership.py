@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import os
 import threading
 import weakref
 from typing import Protocol
@@ -56,6 +57,7 @@ def close_parent_only_in_child() -> None:
 
 _fork_lock = threading.RLock()
 _collect_after_fork = True  # the user's setting when the fork under way began
+_forking_thread: int | None = None  # the thread forking a worker now (forking())
 
 
 def no_fork_meanwhile():
@@ -68,15 +70,55 @@ def no_fork_meanwhile():
 def forking():
     """Around a worker's start: one fork at a time, and under fork the child starts with
     collection off (NOTE [ The parent's garbage ])."""
-    global _collect_after_fork
+    global _collect_after_fork, _forking_thread
     with _fork_lock:
         _collect_after_fork = gc.isenabled()
         gc.disable()
+        _forking_thread = threading.get_ident()
         try:
             yield
         finally:
+            _forking_thread = None
             if _collect_after_fork:
                 gc.enable()
+
+
+# NOTE [ A fork of the user's ]
+#   A process the user forks (os.fork, a fork-started multiprocessing child) inherits this
+#   module's state as it was in the forking thread's parent, other threads' too (loader.py's
+#   NOTE [ A process forked by the user ] covers the loaders it inherits):
+#   * _fork_lock, perhaps held by a thread that starts a loader's workers (a validation loader
+#     in a thread of its own): that thread does not exist in the child, whose first iter() then
+#     waited on the lock forever (7 of 60 forks in a test).  The child gets a new lock.
+#   * the garbage collector turned off by that thread's forking(): turned back on.
+#   * the parent's workers in multiprocessing's list of children: at the child's exit,
+#     multiprocessing's atexit handler terminated those daemon processes, the parent's loader
+#     then died with a SIGTERM'd worker.  They are the parent's, not the child's: struck off.
+_parent_workers: weakref.WeakSet = weakref.WeakSet()
+
+
+def register_worker(process) -> None:
+    """A worker process of this process's, which a fork of the user's must not stop."""
+    _parent_workers.add(process)
+
+
+def _after_fork_in_child() -> None:
+    global _fork_lock
+    if _forking_thread == threading.get_ident():
+        return  # a worker of ours, forked by forking(): freeze_inherited_objects() takes over
+    _fork_lock = threading.RLock()
+    if _forking_thread is not None and _collect_after_fork:
+        gc.enable()
+    import multiprocessing.process
+
+    children = getattr(multiprocessing.process, "_children", None)
+    if isinstance(children, set):
+        children.difference_update(_parent_workers)
+    _parent_workers.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def freeze_inherited_objects() -> None:

@@ -29,7 +29,7 @@ from . import diagnosis
 from .channel import Channel, ChannelClosed
 from .crashlog import CrashLog
 from .errors import WorkerDiedError
-from .ownership import forking
+from .ownership import forking, register_worker
 from .protocol import (
     BOOTING,
     PROTOCOL_VERSION,
@@ -128,6 +128,7 @@ class WorkerPool:
             finally:
                 child_sock.close()
         self.processes.append(process)
+        register_worker(process)  # NOTE [ A fork of the user's ] in ownership.py
 
     # -- messages ----------------------------------------------------------------------------------
 

@@ -86,6 +86,71 @@ def test_a_child_that_exits_through_the_garbage_collector_stops_none_of_the_pare
     assert len(list(loader)) == 10
 
 
+_EXITS_NORMALLY = """
+import os, sys, torch
+from shmloader import ShmDataLoader
+data = torch.arange(40.0).view(40, 1)
+loader = ShmDataLoader(data, batch_size=4, num_workers=2, sample_parallel={sample_parallel})
+it = iter(loader)
+got = [next(it).tolist()]
+if os.fork() == 0:
+    if {iterates}:
+        assert len(list(loader)) == 10
+    sys.exit(0)  # a script's normal end: atexit handlers run
+_, status = os.wait()
+assert os.waitstatus_to_exitcode(status) == 0, status
+got += [b.tolist() for b in it]
+assert got == [[[4.0 * b + r] for r in range(4)] for b in range(10)], got
+print("parent ok")
+"""
+
+
+@pytest.mark.parametrize("sample_parallel", [False, True])
+@pytest.mark.parametrize("iterates", [False, True], ids=["exits", "iterates-then-exits"])
+def test_a_child_that_exits_normally_stops_none_of_the_parents_workers(iterates, sample_parallel):
+    """A normal exit runs multiprocessing's atexit handler, which terminated every daemon child it
+    knew of: the parent's workers, inherited in its list (NOTE [ A fork of the user's ])."""
+    from ._launch import run_python
+
+    done = run_python("-c", _EXITS_NORMALLY.format(sample_parallel=sample_parallel, iterates=iterates),
+                      timeout=60)
+    assert "parent ok" in done.stdout
+
+
+def test_a_fork_while_another_thread_starts_workers_gets_a_free_lock_and_collection_on():
+    """A fork from one thread while another held the fork lock in forking() (starting a loader's
+    workers): the child's iter() waited on that lock forever, with collection off."""
+    import gc
+    import threading
+
+    from shmloader import ownership
+
+    entered, release = threading.Event(), threading.Event()
+
+    def starts_workers():
+        with ownership.forking():
+            entered.set()
+            release.wait(30)
+
+    thread = threading.Thread(target=starts_workers)
+    thread.start()
+    entered.wait(30)
+    try:
+        def child():
+            if not gc.isenabled():
+                return False
+            if not ownership.no_fork_meanwhile().acquire(timeout=5):
+                return False
+            ownership.no_fork_meanwhile().release()
+            return len(list(ShmDataLoader(DATA, batch_size=4, num_workers=2))) == 10
+
+        assert _in_child(child) == 0
+    finally:
+        release.set()
+        thread.join(30)
+    assert gc.isenabled()
+
+
 # == the parent's garbage (NOTE [ The parent's garbage ] in ownership.py) ===========================
 
 
