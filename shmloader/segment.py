@@ -7,7 +7,10 @@ a segment serves, when it is made and when it goes is the ring's policy, not thi
 NOTE [ Segments ]
   A segment's name exists only for the instant between shm_open and shm_unlink inside
   `create_segment`: processes share it by passing the fd over their control socket
-  (SCM_RIGHTS), so no crash of any process can leave an entry behind in /dev/shm.  Its pages
+  (SCM_RIGHTS), so no crash of any process can leave an entry behind in /dev/shm; and a Ctrl-C
+  is held while it is made (its KeyboardInterrupt raised once the segment is whole), so that it
+  cannot land between shm_open and shm_unlink (a named entry left behind) nor between the fd's
+  dup and its segment (the fd and its reserved pages leaked).  Its pages
   are reserved with posix_fallocate when it is created, so a /dev/shm that is too small is a
   ShmCapacityError then, never a SIGBUS in a worker later.  Its header (csrc/ring.h) carries a
   magic number, the ABI version, its capacity and its generation, which each side checks.
@@ -15,9 +18,12 @@ NOTE [ Segments ]
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import secrets
+import signal
+import threading
 
 import posix_ipc
 
@@ -58,6 +64,34 @@ def create_segment(capacity: int, generation: int, what: str = "a ring slot",
     free = shm_free_bytes()
     if capacity > free:  # fail before posix_fallocate briefly fills /dev/shm for everyone else
         raise ShmCapacityError(capacity, free, SHM_DIR, what)
+    with _ctrl_c_deferred():  # NOTE [ Segments ]
+        segment = _create(capacity, free, what, populate)
+    segment.init_header(generation)
+    return segment
+
+
+@contextlib.contextmanager
+def _ctrl_c_deferred():
+    """In the main thread, where Python raises KeyboardInterrupt: a SIGINT that comes meanwhile
+    is held, and its handler (the KeyboardInterrupt) runs once the block is done."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    handler = signal.getsignal(signal.SIGINT)
+    if not callable(handler):  # ignored, or not Python's to handle
+        yield
+        return
+    came: list = []
+    signal.signal(signal.SIGINT, lambda signum, frame: came.append(frame))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, handler)
+        if came:
+            handler(signal.SIGINT, came[0])
+
+
+def _create(capacity: int, free: int, what: str, populate: bool) -> _ring.Segment:
     name = "/shmloader-" + secrets.token_hex(16)
     mem = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=0o600)
     try:
@@ -74,5 +108,4 @@ def create_segment(capacity: int, generation: int, what: str = "a ring slot",
         if exc.errno in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG):
             raise ShmCapacityError(capacity, free, SHM_DIR, what) from exc
         raise
-    segment.init_header(generation)
     return segment

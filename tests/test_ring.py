@@ -357,3 +357,39 @@ def test_a_header_changed_after_the_lease_does_not_trim_the_held_batch():
     assert ring.stats().held_bytes == page_round(_ring.HEADER_BYTES + 4 * PAGE)
     del lease
     ring.close()
+
+
+@pytest.mark.parametrize("where", ["shm_open", "dup"])
+def test_a_ctrl_c_while_a_segment_is_made_leaves_no_entry_and_no_fd(where, monkeypatch):
+    """A SIGINT that lands between shm_open and shm_unlink left a named /dev/shm entry; one between
+    the fd's dup and its segment, the fd and its reserved pages (NOTE [ Segments ]).  Signals are
+    held meanwhile: the KeyboardInterrupt comes once the segment is whole, and it is freed."""
+    import signal
+
+    from shmloader import segment as segment_module
+
+    if where == "shm_open":
+        real = segment_module.posix_ipc.SharedMemory
+
+        def interrupted(*args, **kwargs):
+            made = real(*args, **kwargs)
+            os.kill(os.getpid(), signal.SIGINT)  # arrives as the name exists
+            return made
+
+        monkeypatch.setattr(segment_module.posix_ipc, "SharedMemory", interrupted)
+    else:
+        real_dup = os.dup
+
+        def interrupted(fd):
+            duplicate = real_dup(fd)
+            os.kill(os.getpid(), signal.SIGINT)  # arrives before the fd is anyone's
+            return duplicate
+
+        monkeypatch.setattr(segment_module.os, "dup", interrupted)
+    before = set(os.listdir("/proc/self/fd"))
+    with pytest.raises(KeyboardInterrupt):
+        create_segment(1 << 20, 0)
+    monkeypatch.undo()
+    gc.collect()
+    assert not [name for name in os.listdir("/dev/shm") if name.startswith("shmloader-")]
+    assert set(os.listdir("/proc/self/fd")) <= before
