@@ -18,8 +18,13 @@ _LIKELY_CAUSE = {
 }
 
 
-def describe_exit(exitcode: int | None) -> str:
-    """'killed by SIGKILL (likely ...)' or 'exited with status 3' for a process's exit code."""
+def describe_exit(exitcode: int | None, status_lost: bool = False) -> str:
+    """'killed by SIGKILL (likely ...)' or 'exited with status 3' for a process's exit code;
+    `status_lost`: it has exited but the kernel reaped it (NOTE [ SIGCHLD ignored ] in pool.py)."""
+    if status_lost:
+        return ("has ended, its exit status unknown (this process ignores SIGCHLD, signal.SIG_IGN, "
+                "perhaps inherited from its launcher, so the kernel reaped the worker without "
+                "keeping its status; a SIGKILL from the out-of-memory killer is a common cause)")
     if exitcode is None:
         return "is still running"
     if exitcode < 0:
@@ -40,19 +45,21 @@ class WorkerDiedError(ShmLoaderError, RuntimeError):
     """A worker process ended while the loader still needed it."""
 
     def __init__(self, worker_id: int, pid: int | None, exitcode: int | None, doing: str = "",
-                 crash_report: str = ""):
+                 crash_report: str = "", status_lost: bool = False):
         self.worker_id, self.pid, self.exitcode = worker_id, pid, exitcode
         self.crash_report = crash_report
+        self.status_lost = status_lost
         detail = f" while {doing}" if doing else ""
         report = f"\nThe worker's faulthandler report:\n{crash_report}" if crash_report else ""
         super().__init__(
-            f"DataLoader worker {worker_id} (pid {pid}) {describe_exit(exitcode)}{detail}; "
-            f"the loader has been shut down{report}"
+            f"DataLoader worker {worker_id} (pid {pid}) {describe_exit(exitcode, status_lost)}"
+            f"{detail}; the loader has been shut down{report}"
         )
         self._doing = doing
 
     def __reduce__(self):
-        return (type(self), (self.worker_id, self.pid, self.exitcode, self._doing, self.crash_report))
+        return (type(self), (self.worker_id, self.pid, self.exitcode, self._doing, self.crash_report,
+                             self.status_lost))
 
 
 class LoaderTimeoutError(ShmLoaderError, RuntimeError, TimeoutError):

@@ -21,7 +21,9 @@ NOTE [ Shutdown ]
 from __future__ import annotations
 
 import math
+import os
 import select
+import signal
 import time
 import weakref
 
@@ -175,7 +177,8 @@ class WorkerPool:
         process.join(timeout=1.0)
         doing = describe_stage(self.board, worker_id)
         return WorkerDiedError(worker_id, process.pid, process.exitcode, doing,
-                               self.crash_logs[worker_id].read())
+                               self.crash_logs[worker_id].read(),
+                               status_lost=reaped_by_kernel(process, wait=1.0))
 
     # -- statistics --------------------------------------------------------------------------------
 
@@ -218,11 +221,11 @@ class WorkerPool:
             for process in self.processes:
                 process.join(timeout=max(0.0, deadline - time.monotonic()))
             for process in self.processes:
-                if process.is_alive():
+                if _alive(process):
                     process.terminate()
             for process in self.processes:
                 process.join(timeout=2.0)
-                if process.is_alive():
+                if _alive(process):
                     process.kill()
                     process.join()
         finally:
@@ -231,10 +234,58 @@ class WorkerPool:
             for crash_log in self.crash_logs:
                 crash_log.close()
             for process in self.processes:
-                try:
-                    process.close()
-                except ValueError:
-                    pass
+                _close_process(process)
             if self.board is not None:
                 self.board.close_fd()
                 self.board = None  # unmapped now, not when the (maybe still referenced) iterator goes
+
+
+# NOTE [ SIGCHLD ignored ]
+#   A process whose SIGCHLD disposition is SIG_IGN (set by the program, or inherited across exec
+#   from a launcher that set it) has its children reaped by the kernel the moment they exit: no
+#   exit status is ever there to read, waitpid() fails with ECHILD, and multiprocessing then
+#   believes the worker runs forever (is_alive() stays True, Process.close() refuses and its
+#   sentinel pipe's two fds stay open).  torch replaces the disposition with a handler of its own;
+#   the loader leaves the user's disposition alone and instead knows a worker as gone when its
+#   sentinel pipe has closed and the kernel has no such child: it is not signalled (its pid may
+#   already be another process's), its pipe is closed, and its death is reported as one whose exit
+#   status the kernel did not keep.
+
+
+def sigchld_ignored() -> bool:
+    return signal.getsignal(signal.SIGCHLD) == signal.SIG_IGN
+
+
+def reaped_by_kernel(process, wait: float = 0.0) -> bool:
+    """True if `process` has exited and, SIGCHLD being ignored, the kernel reaped it (NOTE
+    [ SIGCHLD ignored ]).  `wait`: how long to give a child whose sentinel has closed to be
+    reaped (the pipe closes a moment before the exit completes)."""
+    if process.exitcode is not None or not sigchld_ignored():
+        return False
+    if not Poller([process.sentinel]).ready(0):
+        return False  # its end of the sentinel pipe is open: it runs
+    deadline = time.monotonic() + wait
+    while True:
+        try:
+            os.waitpid(process.pid, os.WNOHANG)  # under SIG_IGN it never returns a status
+        except ChildProcessError:
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.001)
+
+
+def _alive(process) -> bool:
+    return process.is_alive() and not reaped_by_kernel(process)
+
+
+def _close_process(process) -> None:
+    """Close a joined worker's Process and its sentinel pipe, also where multiprocessing cannot
+    (NOTE [ SIGCHLD ignored ]); one still running (it could not be killed) keeps them."""
+    try:
+        process.close()
+    except ValueError:
+        if reaped_by_kernel(process, wait=1.0):
+            process._popen.close()  # its pipe's fds; Process.close() wants an exit status first
+            process._popen = None
+            process.close()

@@ -6,11 +6,15 @@ segments mapped, and those go with the batches."""
 
 from __future__ import annotations
 
+import json
+import os
+
 import pytest
 
 from shmloader import LoaderTimeoutError, RingFullError, ShmDataLoader, WorkerDiedError
 
 from . import _datasets as ds
+from ._launch import run_python
 from .conftest import assert_no_leaks, mapped_segments, process_snapshot
 
 pytestmark = [pytest.mark.timeout(60), pytest.mark.usefixtures("no_leaks")]
@@ -114,3 +118,18 @@ def test_after_a_full_ring(no_leaks):
             held.append(batch)
     del held, batch, it
     assert_no_leaks(no_leaks)
+
+
+@pytest.mark.timeout(120)
+def test_sigchld_ignored_by_the_launcher_leaks_nothing_and_a_death_says_why_its_status_is_unknown():
+    """NOTE [ SIGCHLD ignored ] in pool.py: with SIGCHLD at SIG_IGN the kernel reaps the workers,
+    so multiprocessing never learns they ended; each loader used to leave its workers' sentinel
+    pipes open (4 fds) and a SIGKILLed worker was reported as "still running"."""
+    script = os.path.join(os.path.dirname(__file__), "_sigchld_script.py")
+    done = run_python(script)
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    assert got["fds_after_epochs"] == got["fds_before"], got
+    assert got["fds_after_death"] == got["fds_before"], got
+    assert got["error"] is not None and "still running" not in got["error"], got
+    assert "SIGCHLD" in got["error"] and "DataLoader worker 0" in got["error"], got
+    assert got["seconds_to_error"] < 10, got
