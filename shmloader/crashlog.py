@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 
+from .interrupts import ctrl_c_held
 from .ownership import no_fork_meanwhile, register_parent_only
 
 MAX_REPORT_BYTES = 64 * 1024
@@ -19,8 +20,10 @@ MAX_REPORT_BYTES = 64 * 1024
 class CrashLog:
     """One worker's pipe: the main process keeps the read end, the worker gets the write end."""
 
+    read_fd = write_fd = -1  # until the pipe is made (a __del__ of a half-made one closes nothing)
+
     def __init__(self) -> None:
-        with no_fork_meanwhile():
+        with ctrl_c_held(), no_fork_meanwhile():  # NOTE [ Ctrl-C held ] in interrupts.py
             self.read_fd, self.write_fd = os.pipe()
             register_parent_only(self)
         os.set_blocking(self.read_fd, False)
@@ -29,9 +32,9 @@ class CrashLog:
     def close_write_end(self) -> None:
         """Once the write end has been passed to the worker (SCM_RIGHTS duplicates it)."""
         with no_fork_meanwhile():
-            if self.write_fd >= 0:
-                os.close(self.write_fd)
-                self.write_fd = -1
+            fd, self.write_fd = self.write_fd, -1  # forgotten first: never closed twice
+            if fd >= 0:
+                os.close(fd)
 
     def read(self) -> str:
         """What the worker wrote so far ('' if nothing), without waiting."""
@@ -53,8 +56,12 @@ class CrashLog:
     def close(self) -> None:
         with no_fork_meanwhile():
             self.close_write_end()
-            if self.read_fd >= 0:
-                os.close(self.read_fd)
-                self.read_fd = -1
+            fd, self.read_fd = self.read_fd, -1
+            if fd >= 0:
+                os.close(fd)
 
     close_in_child = close  # a forked worker keeps none of the other workers' pipes
+
+    def __del__(self) -> None:
+        """One dropped half-made by a KeyboardInterrupt (NOTE [ Ctrl-C held ] in interrupts.py)."""
+        self.close()

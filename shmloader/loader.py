@@ -51,6 +51,7 @@ from .errors import (
     SlotProtocolError,
     WorkerError,
 )
+from .interrupts import ctrl_c_held
 from .pool import Poller, WorkerPool
 from .protocol import End, Failed, Fatal, Ready, Resume, Resumed, Rewind, State, Task
 from .ring import Ring, RingStats
@@ -392,18 +393,19 @@ class _PoolIter(torch_private.BaseDataLoaderIter):
         if os.getpid() != self._owner_pid:  # the garbage of a forked copy: not ours to stop
             self.disown()
             return
-        self._shutdown = True
-        try:
-            if self._pool is not None:
-                self._pool.stop()
-        finally:
-            self._drop_buffered()
-            if self._scheduler is not None:
-                self._final_ring_stats = self._ring.stats()
-                self._scheduler.close()
-                loader = self._loader_ref()
-                if loader is not None:
-                    loader._final_stats = self.stats()
+        with ctrl_c_held():  # NOTE [ Ctrl-C held ] in interrupts.py: flagged done, then done
+            self._shutdown = True
+            try:
+                if self._pool is not None:
+                    self._pool.stop()
+            finally:
+                self._drop_buffered()
+                if self._scheduler is not None:
+                    self._final_ring_stats = self._ring.stats()
+                    self._scheduler.close()
+                    loader = self._loader_ref()
+                    if loader is not None:
+                        loader._final_stats = self.stats()
 
     def __del__(self) -> None:
         try:
@@ -795,6 +797,9 @@ class _ShmLoaderIter(_PoolIter):
     def _receive(self, worker_id: int):
         """Read and handle one message of a worker."""
         message, fds = self._pool.receive(worker_id)
+        if fds:  # a segment a worker made: adopted whole (NOTE [ Ctrl-C held ] in interrupts.py)
+            with ctrl_c_held():
+                return self._handle(worker_id, message, fds)
         return self._handle(worker_id, message, fds)
 
     def _handle(self, worker_id: int, message, fds: list[int]):

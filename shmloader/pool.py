@@ -31,6 +31,7 @@ from . import diagnosis
 from .channel import Channel, ChannelClosed
 from .crashlog import CrashLog
 from .errors import WorkerDiedError
+from .interrupts import ctrl_c_held
 from .ownership import forking, register_worker
 from .protocol import (
     BOOTING,
@@ -103,17 +104,18 @@ class WorkerPool:
         self._timed = timed
         self._on_death = weakref.WeakMethod(on_death)
         try:
-            self.board = create_segment(status_board_bytes(num_workers), 0, "the workers' status board")
-            for worker_id in range(num_workers):  # what a worker dead before its first word did
-                init_block(self.board, status_offset(worker_id), BOOTING, timed)
-            for worker_id in range(num_workers):
-                self._start(worker_id, context, make_spec(worker_id))
+            with ctrl_c_held():  # NOTE [ Ctrl-C held ] in interrupts.py: raised inside this try
+                self.board = create_segment(status_board_bytes(num_workers), 0, "the workers' status board")
+                for worker_id in range(num_workers):  # what a worker dead before its first word did
+                    init_block(self.board, status_offset(worker_id), BOOTING, timed)
+                for worker_id in range(num_workers):
+                    self._start(worker_id, context, make_spec(worker_id))
+                # What every wait polls, built once (the workers are fixed for this pool).
+                self.channel_of = {c.fileno(): (worker_id, c) for worker_id, c in enumerate(self.channels)}
+                self.sentinel_of = {p.sentinel: worker_id for worker_id, p in enumerate(self.processes)}
         except BaseException:
             self.stop()
             raise
-        # What every wait polls, built once (the workers are fixed for this pool).
-        self.channel_of = {c.fileno(): (worker_id, c) for worker_id, c in enumerate(self.channels)}
-        self.sentinel_of = {p.sentinel: worker_id for worker_id, p in enumerate(self.processes)}
 
     def _start(self, worker_id: int, context, spec) -> None:
         with forking():  # its fds made and the child's end closed with no fork from elsewhere
@@ -203,7 +205,12 @@ class WorkerPool:
     # -- shutdown ----------------------------------------------------------------------------------
 
     def stop(self) -> None:
-        """See NOTE [ Shutdown ]: idempotent, and never raises for a worker already gone."""
+        """See NOTE [ Shutdown ]: idempotent, and never raises for a worker already gone; a Ctrl-C
+        meanwhile is raised once it is done (NOTE [ Ctrl-C held ] in interrupts.py)."""
+        with ctrl_c_held():
+            self._stop()
+
+    def _stop(self) -> None:
         if self.closed:
             return
         self.closed = True

@@ -67,6 +67,7 @@ from dataclasses import dataclass
 from . import _ring
 from . import segment as shm_segment
 from .errors import RingFullError, ShmCapacityError, SlotProtocolError
+from .interrupts import ctrl_c_held
 from .ownership import register_parent_only
 from .segment import MIN_HEADROOM, create_segment, page_round
 from .spares import SpareMaker
@@ -145,9 +146,9 @@ class Ring:
         self._slot_grows = 0
         self._shrunk = 0
         self._made_ahead = 0
-        self._closed = False
         self._spares = SpareMaker(lambda capacity: create_segment(capacity, 0, "a spare ring slot", populate=False))
         self._spares_on = os.environ.get("SHMLOADER_SPARE_SLOTS", "1") != "0"  # NOTE [ Spare segments ]
+        self._closed = False  # last: the __del__ of a half-made ring has nothing to close
         register_parent_only(self)
         if self.slot_bytes is not None:
             self._check_fits()
@@ -484,20 +485,21 @@ class Ring:
     def close(self) -> None:
         """Close every fd and drop the ring's references; a slot's memory is unmapped when the
         last view of its batch is gone (at once for slots the user does not hold)."""
-        if self._closed:
-            return
-        self._closed = True
-        self._spares.close()
-        for slot, segment in enumerate(self._segments):
-            if segment is not None:
-                if self._states[slot] == _LEASED:  # held past the ring's end, never reused now
-                    _keep_only_the_batch(segment, self._leased_ends[slot])
-                segment.close_fd()
-        self._segments = [None] * len(self._segments)
-        self._free.clear()
-        self._leased.clear()
-        self._released.clear()
-        self._retired.clear()
+        with ctrl_c_held():  # NOTE [ Ctrl-C held ] in interrupts.py
+            if self._closed:
+                return
+            self._closed = True
+            self._spares.close()
+            for slot, segment in enumerate(self._segments):
+                if segment is not None:
+                    if self._states[slot] == _LEASED:  # held past the ring's end, never reused now
+                        _keep_only_the_batch(segment, self._leased_ends[slot])
+                    segment.close_fd()
+            self._segments = [None] * len(self._segments)
+            self._free.clear()
+            self._leased.clear()
+            self._released.clear()
+            self._retired.clear()
 
     @property
     def closed(self) -> bool:

@@ -18,17 +18,15 @@ NOTE [ Segments ]
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import os
 import secrets
-import signal
-import threading
 
 import posix_ipc
 
 from . import _ring
 from .errors import ShmCapacityError
+from .interrupts import ctrl_c_held
 
 SHM_DIR = "/dev/shm"
 PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -64,31 +62,10 @@ def create_segment(capacity: int, generation: int, what: str = "a ring slot",
     free = shm_free_bytes()
     if capacity > free:  # fail before posix_fallocate briefly fills /dev/shm for everyone else
         raise ShmCapacityError(capacity, free, SHM_DIR, what)
-    with _ctrl_c_deferred():  # NOTE [ Segments ]
+    with ctrl_c_held():  # NOTE [ Segments ], NOTE [ Ctrl-C held ] in interrupts.py
         segment = _create(capacity, free, what, populate)
     segment.init_header(generation)
     return segment
-
-
-@contextlib.contextmanager
-def _ctrl_c_deferred():
-    """In the main thread, where Python raises KeyboardInterrupt: a SIGINT that comes meanwhile
-    is held, and its handler (the KeyboardInterrupt) runs once the block is done."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    handler = signal.getsignal(signal.SIGINT)
-    if not callable(handler):  # ignored, or not Python's to handle
-        yield
-        return
-    came: list = []
-    signal.signal(signal.SIGINT, lambda signum, frame: came.append(frame))
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, handler)
-        if came:
-            handler(signal.SIGINT, came[0])
 
 
 def _create(capacity: int, free: int, what: str, populate: bool) -> _ring.Segment:

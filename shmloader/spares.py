@@ -21,6 +21,7 @@ import threading
 from collections import deque
 
 from . import _ring
+from .interrupts import ctrl_c_held
 from .ownership import register_parent_only
 
 JOIN_SECONDS = 5.0  # at most one segment's creation to finish
@@ -29,6 +30,9 @@ JOIN_SECONDS = 5.0  # at most one segment's creation to finish
 class SpareMaker:
     """A thread that keeps up to `want` spare segments of `capacity` bytes ready; `wakeup_fd`
     becomes readable each time one is."""
+
+    _wake_read = _wake_write = -1  # until the pipe is made (a __del__ of a half-made one closes nothing)
+    _thread: threading.Thread | None = None
 
     def __init__(self, create):
         self._create = create  # capacity -> a new reserved, mapped, unlinked segment
@@ -40,9 +44,9 @@ class SpareMaker:
         self._woken = False  # set by the thread before it writes a wake-up byte
         self._closed = False
         self.error: BaseException | None = None
-        self._wake_read, self._wake_write = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
-        self._thread: threading.Thread | None = None
-        register_parent_only(self)
+        with ctrl_c_held():  # NOTE [ Ctrl-C held ] in interrupts.py
+            self._wake_read, self._wake_write = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+            register_parent_only(self)
 
     @property
     def wakeup_fd(self) -> int:
@@ -63,8 +67,10 @@ class SpareMaker:
                 self._capacity = capacity
             self._want = count
             if self._thread is None and count > 0 and self.usable:
-                self._thread = threading.Thread(target=self._run, name="shmloader-spare-slots", daemon=True)
-                self._thread.start()
+                with ctrl_c_held():  # a thread started is a thread close() joins
+                    thread = threading.Thread(target=self._run, name="shmloader-spare-slots", daemon=True)
+                    thread.start()
+                    self._thread = thread
             if count > len(self._ready) + self._making:
                 self._cond.notify()
 
@@ -141,15 +147,21 @@ class SpareMaker:
             self._ready.popleft().close_fd()
 
     def close(self) -> None:
-        with self._cond:
-            if self._closed:
-                return
-            self._closed = True
-            self._cond.notify_all()
-        if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(JOIN_SECONDS)
-        with self._cond:
-            self._drop_ready()
+        with ctrl_c_held():  # NOTE [ Ctrl-C held ]: the thread told to stop is woken and joined
+            with self._cond:
+                if self._closed:
+                    return
+                self._closed = True
+                self._cond.notify_all()
+            if self._thread is not None and self._thread is not threading.current_thread():
+                self._thread.join(JOIN_SECONDS)
+            with self._cond:
+                self._drop_ready()
+            self._close_pipe()
+
+    def __del__(self) -> None:
+        """One dropped half-made by a KeyboardInterrupt (a running thread holds a reference to
+        it, so this runs only once the thread has ended)."""
         self._close_pipe()
 
     def close_in_child(self) -> None:
@@ -161,9 +173,11 @@ class SpareMaker:
 
     def _close_pipe(self) -> None:
         """Close the wake-up pipe once (its fd numbers are soon reused by other objects)."""
-        for fd in (self._wake_read, self._wake_write):
-            try:
-                os.close(fd)
-            except OSError:
-                pass
-        self._wake_read = self._wake_write = -1
+        fds = (self._wake_read, self._wake_write)
+        self._wake_read = self._wake_write = -1  # forgotten first: never closed twice
+        for fd in fds:
+            if fd >= 0:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
