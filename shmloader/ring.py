@@ -146,6 +146,7 @@ class Ring:
         self._slot_grows = 0
         self._shrunk = 0
         self._made_ahead = 0
+        self._fits = False  # the whole ring at slot_bytes was found to fit (_check_fits)
         self._spares = SpareMaker(lambda capacity: create_segment(capacity, 0, "a spare ring slot", populate=False))
         self._spares_on = os.environ.get("SHMLOADER_SPARE_SLOTS", "1") != "0"  # NOTE [ Spare segments ]
         self._closed = False  # last: the __del__ of a half-made ring has nothing to close
@@ -160,14 +161,24 @@ class Ring:
 
         Slots are created (and their pages reserved) when first used, by whichever process first
         needs them, so the first batch does not wait for the whole ring to be zeroed; this check
-        makes a /dev/shm that is too small an error at the start, not after some batches."""
-        if self.slot_bytes is None:
+        makes a /dev/shm that is too small an error at the start, not after some batches.
+
+        A slot granted to a worker to create, or a spare being made, is counted as missing, yet
+        its segment may exist already and be counted in what /dev/shm has used: a ring that fits
+        was refused (a 72 MiB ring in an 82 MiB /dev/shm, where torch runs).  So the ring is
+        refused only if it cannot fit even were all those segments made; if it fits only then,
+        it is checked again at the next adoption (a worker whose segment does not fit meanwhile
+        says so with its batch)."""
+        if self.slot_bytes is None or self._fits:
             return
         allocated = self.segments()
         missing = self.depth - len(allocated)
         needed = missing * self.slot_bytes
         free = shm_segment.shm_free_bytes()
-        if needed > free:
+        on_their_way = self._spares.pending() + sum(
+            1 for slot, segment in enumerate(self._segments) if segment is None and self._states[slot] == _DISPATCHED)
+        self._fits = needed <= free
+        if not self._fits and needed - on_their_way * self.slot_bytes > free:
             total = sum(s.size for s in allocated) + needed
             raise ShmCapacityError(
                 total, free + sum(s.size for s in allocated), shm_segment.SHM_DIR,
@@ -356,9 +367,9 @@ class Ring:
         self._generations[slot] = generation
         if self.slot_bytes is None:
             self.slot_bytes = capacity
-            self._check_fits()
         elif capacity > self.slot_bytes:
             self.slot_bytes = capacity
+        self._check_fits()  # once it fits, a no-op
 
     def lease(self, slot: int, sequence: int, on_release) -> tuple[_ring.SlotLease, bytes, int]:
         """Validate a slot a worker reported ready for batch `sequence`; returns its lease, the

@@ -4,7 +4,8 @@ happened (tests/test_capacity.py runs it inside a private mount namespace over a
     python -m tests._capacity_probe CASE
 
 CASE "construct": a ring whose slot_bytes cannot fit; "learnt": a ring whose size learnt from the
-first batch cannot fit; "grow": one batch much larger than its slot, too large to fit.
+first batch cannot fit; "grow": one batch much larger than its slot, too large to fit; "fits": a
+ring learnt from the first batch that just fits (4 workers: 10 slots of 1.5 MiB in 16 MiB).
 """
 
 from __future__ import annotations
@@ -48,6 +49,8 @@ def run(case: str) -> dict:
         loader = ShmDataLoader(Sized(MiB), batch_size=4, slot_bytes=8 * MiB, **kw)
     elif case == "learnt":
         loader = ShmDataLoader(Sized(MiB), batch_size=3, **kw)
+    elif case == "fits":
+        loader = ShmDataLoader(Sized(MiB * 3 // 2), batch_size=1, **dict(kw, num_workers=4))
     elif case == "grow":
         loader = ShmDataLoader(Sized(64 * 1024, big=40 * MiB, big_at=9), batch_size=1,
                                collate_fn=lambda samples: samples[0], slot_bytes=MiB, **kw)
