@@ -59,6 +59,16 @@ from .scheduler import SlotScheduler
 from .timing import BatchClock, timing_enabled
 from .worker import COLLATE_CONVERT, COLLATE_CUSTOM, COLLATE_INTO_SLOT, Shipped, WorkerSpec
 
+# NOTE [ Ctrl-C in the wait ]
+#   torch's iterator survives a KeyboardInterrupt raised while next() waits for a batch: a loop
+#   (or a notebook cell run again) that catches it and calls next() again gets the next batch,
+#   and every later one, in order.  Most Ctrl-Cs that reach the loader land there, in poll(),
+#   where the iterator's bookkeeping is whole: such a KeyboardInterrupt is marked resumable and
+#   the iterator goes on.  One raised anywhere else in the loader's code (between a message read
+#   and its record, say) may have cut a step in half, so it shuts the iterator down as before,
+#   and the next next() raises LoaderBrokenError naming it.
+_RESUMABLE = "_shmloader_resumable"
+
 POLL_SECONDS = 0.5  # longest blind wait: sentinels and timeouts are checked at least this often
 
 _T_co = TypeVar("_T_co", covariant=True)
@@ -666,7 +676,8 @@ class _ShmLoaderIter(_PoolIter):
         except LoaderTimeoutError:
             raise  # the iterator goes on: the next next() waits again, as torch's does
         except BaseException as exc:  # a dead worker, Ctrl-C, a protocol error
-            self._break(exc)
+            if not getattr(exc, _RESUMABLE, False):  # NOTE [ Ctrl-C in the wait ]
+                self._break(exc)
             raise
         self._clock.end(start)
         if isinstance(data, _Failure):
@@ -761,7 +772,12 @@ class _ShmLoaderIter(_PoolIter):
                 return None
             scheduler.check_not_starved()
             wait = POLL_SECONDS if deadline is None else max(0.0, min(POLL_SECONDS, deadline - time.monotonic()))
-            ready = self._everything.ready(wait)
+            try:
+                ready = self._everything.ready(wait)
+            except KeyboardInterrupt as exc:  # NOTE [ Ctrl-C in the wait ]
+                if until is None:
+                    setattr(exc, _RESUMABLE, True)
+                raise
             for fd in ready:
                 if fd in channel_of:
                     event = self._receive(channel_of[fd][0])

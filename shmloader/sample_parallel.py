@@ -130,7 +130,7 @@ from torch.utils.data import IterableDataset, default_collate
 from . import rows
 from ._ring import HEADER_BYTES, SlotArena
 from .errors import LoaderTimeoutError, SlotProtocolError
-from .loader import POLL_SECONDS, TIMEOUT_ADVICE, LoaderStats, _Failure, _PoolIter
+from .loader import _RESUMABLE, POLL_SECONDS, TIMEOUT_ADVICE, LoaderStats, _Failure, _PoolIter
 from .pool import Poller, WorkerPool
 from .protocol import (
     FETCHING,
@@ -634,7 +634,8 @@ class SampleParallelIter(_PoolIter):
         except (StopIteration, LoaderTimeoutError):
             raise  # after a timeout the next next() waits again, as torch's does
         except BaseException as exc:
-            self._break(exc)
+            if not getattr(exc, _RESUMABLE, False):  # NOTE [ Ctrl-C in the wait ] in loader.py
+                self._break(exc)
             raise
         if batch.failure is None:
             self._batches += 1
@@ -676,7 +677,11 @@ class SampleParallelIter(_PoolIter):
         """Handle the messages waiting (waiting up to `wait` for one); a dead worker raises."""
         channel_of, sentinel_of = self._pool.channel_of, self._pool.sentinel_of
         handled = 0
-        ready = self._everything.ready(wait)
+        try:
+            ready = self._everything.ready(wait)
+        except KeyboardInterrupt as exc:  # NOTE [ Ctrl-C in the wait ] in loader.py
+            setattr(exc, _RESUMABLE, True)
+            raise
         while ready:
             for fd in ready:
                 if fd in channel_of:

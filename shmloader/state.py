@@ -486,9 +486,10 @@ class IterState:
         """The iterator's __next__: a pending fast-forward first, then `step()`."""
         try:
             if self.skip:
-                count, saved, self.skip = self.skip, self.loaded, 0
-                for _ in range(count):
+                count, saved = self.skip, self.loaded
+                while self.skip:  # counted down: a Ctrl-C meanwhile leaves the rest to skip
                     self._step(it, step)
+                    self.skip -= 1
                 self.loaded = None
                 if self.last_worker != saved["last_worker"]:
                     raise ValueError(

@@ -248,8 +248,9 @@ def test_a_timeout_while_persistent_workers_start_an_epoch_says_what_happened():
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("where", ["getitem", "write"])
 def test_ctrl_c_while_waiting_on_a_hung_worker(where, tmp_path, request):
-    """No timeout: the loop waits on a hung worker, and Ctrl-C still ends it at once, shutting
-    the workers down and closing the ring."""
+    """No timeout: the loop waits on a hung worker, and Ctrl-C still reaches it at once.  As
+    torch's, the iterator survives the KeyboardInterrupt (NOTE [ Ctrl-C in the wait ]); dropping
+    it shuts the workers down and closes the ring."""
     # Python turns SIGINT into KeyboardInterrupt only if SIGINT was not ignored when it started
     # (a shell's background job starts with it ignored): the handler a terminal's Python has.
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -271,9 +272,11 @@ def test_ctrl_c_while_waiting_on_a_hung_worker(where, tmp_path, request):
             next(iterator)
     assert time.monotonic() - started < 10
     sender.join()
-    assert iterator._shutdown and iterator._ring.closed
-    _check_gone(pids)
+    assert not iterator._shutdown  # the loop may call next() again
+    ring = iterator._ring
     del iterator
+    assert ring.closed
+    _check_gone(pids)
 
 
 @pytest.mark.timeout(90)
@@ -319,3 +322,113 @@ def test_death_names_the_stage(where, tmp_path):
     r = _run(loader, str(tmp_path), "exit")
     assert r["type"] is WorkerDiedError
     assert STAGE_WORDS[where] in r["message"], r["message"]
+
+
+class _Paced(Dataset):
+    def __len__(self):
+        return 40
+
+    def __getitem__(self, i):
+        time.sleep(0.05)
+        return torch.full((64,), float(i))
+
+
+_POLL_SYSCALLS = {"7", "271"}  # x86-64 poll, ppoll: where a waiting next() blocks
+
+
+def _interrupt_the_wait(main_tid: int, stop: threading.Event) -> None:
+    """SIGINT this process once the main thread blocks in poll (next() waiting for a batch),
+    unless `stop` is set first."""
+    def in_poll():
+        try:
+            with open(f"/proc/self/task/{main_tid}/syscall") as f:
+                return f.read().split()[0] in _POLL_SYSCALLS
+        except OSError:
+            return True  # no way to tell: the samples are slow enough for the wait to dominate
+    while not stop.is_set():
+        if in_poll():
+            os.kill(os.getpid(), signal.SIGINT)
+            return
+        time.sleep(0.001)
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("kwargs", [{}, {"persistent_workers": True}, {"sample_parallel": True}],
+                         ids=["default", "persistent", "sample_parallel"])
+def test_after_a_ctrl_c_in_next_the_loop_can_go_on_as_with_torch(kwargs, request):
+    """A Ctrl-C while next() waits (Jupyter's "interrupt kernel", then the cell run again): torch's
+    iterator goes on with the next batch, and every later one, in order; so does this one (NOTE
+    [ Ctrl-C in the wait ] in loader.py).  It raised LoaderBrokenError."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    request.addfinalizer(lambda: signal.signal(signal.SIGINT, previous))
+
+    def run(cls, **extra):
+        iterator = iter(cls(_Paced(), batch_size=4, num_workers=2, **extra))
+        got = [int(next(iterator)[0, 0])]
+        interrupts = 0
+        while interrupts < 3:  # three Ctrl-Cs, each landing while next() waits for a batch
+            stop = threading.Event()
+            sender = threading.Thread(target=_interrupt_the_wait, args=(threading.main_thread().native_id, stop))
+            sender.start()
+            try:
+                while True:
+                    got.append(int(next(iterator)[0, 0]))
+            except KeyboardInterrupt:
+                interrupts += 1
+            except StopIteration:
+                break
+            finally:
+                stop.set()
+                sender.join()
+        got.extend(int(batch[0, 0]) for batch in iterator)
+        return got, interrupts
+
+    want, _ = run(DataLoader, **{k: v for k, v in kwargs.items() if k != "sample_parallel"})
+    got, interrupts = run(ShmDataLoader, **kwargs)
+    assert want == list(range(0, 40, 4))
+    assert interrupts >= 1 and got == want, (got, interrupts)
+
+
+class _PacedStream(torch.utils.data.IterableDataset):
+    """Sharded by worker, without state: a resume fast-forwards it, one wait per batch."""
+
+    def __iter__(self):
+        info = torch.utils.data.get_worker_info()
+        for i in range(info.id, 40, info.num_workers):
+            time.sleep(0.03)
+            yield torch.full((8,), float(i))
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.filterwarnings("ignore:Neither the dataset nor iter:UserWarning")
+def test_a_ctrl_c_during_a_resumes_fast_forward_leaves_the_rest_of_it_to_the_next_next(request):
+    """A resumed state of a dataset without state is replayed at the first next(); a Ctrl-C in
+    the middle of it, caught, and next() again: the replay goes on where it was, and the batches
+    are those the saved run went on with (it lost the replay's count)."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    request.addfinalizer(lambda: signal.signal(signal.SIGINT, previous))
+
+    def make():
+        return ShmDataLoader(_PacedStream(), batch_size=2, num_workers=2)
+
+    saved = make()
+    saved_run = iter(saved)
+    for _ in range(6):
+        next(saved_run)
+    state = saved.state_dict()
+    want = [int(batch[0, 0]) for batch in saved_run]
+    del saved_run, saved
+    loader = make()
+    loader.load_state_dict(state)
+    it = iter(loader)
+    stop = threading.Event()
+    sender = threading.Thread(target=_interrupt_the_wait, args=(threading.main_thread().native_id, stop))
+    sender.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            next(it)  # the replay of 6 batches waits for each
+    finally:
+        stop.set()
+        sender.join()
+    got = [int(batch[0, 0]) for batch in it]
+    assert len(want) == 14 and got == want
