@@ -14,6 +14,14 @@ What one `next()` does:
   3. start the copy of the next batch from the loader, so `depth` copies are in flight while the
      caller computes on this one; return the GPU batch.
 
+NOTE [ Errors in order ]
+  The loader's errors come at their batch's turn, as they would without the prefetcher: an
+  exception raised while a later batch is fetched ahead (a dataset's error for batch n+depth,
+  which the loader raises and then goes on) is kept until the batches before it are handed over,
+  then raised; the next next() goes on after it.  A KeyboardInterrupt (a Ctrl-C while the
+  loader is waited on) is raised at once, and a batch already taken for the caller is handed
+  over by the next next(): a loop that catches it loses no batch.
+
 NOTE [ Copy lease ]
   A slot's lease ends only when the copy out of it has completed -- never earlier: the prefetcher
   holds the CPU batch (whose views hold the SlotLease) until `event.query()` is true, or, at worst,
@@ -133,6 +141,8 @@ class _PrefetchIter:
         self._inflight: deque[_Copy] = deque()  # copies started, batch not handed over yet
         self._handed: deque[_Copy] = deque()  # handed over; CPU batch kept until the event is done
         self._exhausted = False
+        self._source_error: Exception | None = None  # NOTE [ Errors in order ]
+        self._undelivered = None  # a GPU batch whose handing over a KeyboardInterrupt cut short
         self._warned_pageable = False
         self._fill()
 
@@ -167,12 +177,15 @@ class _PrefetchIter:
         return _Copy(cpu, gpu, event, tensors)
 
     def _fill(self) -> None:
-        while not self._exhausted and len(self._inflight) < self._depth:
+        while not self._exhausted and self._source_error is None and len(self._inflight) < self._depth:
             self._retire()
             try:
                 cpu = next(self._source)
             except StopIteration:
                 self._exhausted = True
+                break
+            except Exception as exc:  # NOTE [ Errors in order ]: at its batch's turn
+                self._source_error = exc
                 break
             self._inflight.append(self._start_copy(cpu))
 
@@ -188,9 +201,15 @@ class _PrefetchIter:
             entry.cpu = None
 
     def __next__(self):
+        if self._undelivered is not None:
+            gpu, self._undelivered = self._undelivered, None
+            return self._hand_over(gpu)
         self._retire()
         self._fill()
         if not self._inflight:
+            if self._source_error is not None:
+                error, self._source_error = self._source_error, None
+                raise error
             self.close()
             raise StopIteration
         entry = self._inflight.popleft()
@@ -200,7 +219,16 @@ class _PrefetchIter:
             self._rt.record_stream(t, consumer)
         gpu, entry.gpu, entry.tensors = entry.gpu, None, None
         self._handed.append(entry)
-        self._fill()  # the next copy starts now, overlapping the caller's compute on `gpu`
+        return self._hand_over(gpu)
+
+    def _hand_over(self, gpu):
+        """Start the next copy now, overlapping the caller's compute on `gpu`, and return `gpu`
+        (NOTE [ Errors in order ]: kept for the next next() if a KeyboardInterrupt cuts in)."""
+        try:
+            self._fill()
+        except BaseException:
+            self._undelivered = gpu
+            raise
         return gpu
 
     def close(self) -> None:
@@ -210,6 +238,7 @@ class _PrefetchIter:
         self._inflight.clear()
         self._retire(wait=True)
         self._exhausted = True
+        self._undelivered = None
 
     def __del__(self):
         try:

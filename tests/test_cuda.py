@@ -915,3 +915,59 @@ def test_cuda_prefetcher_over_torchs_dataloader(depth, non_blocking):
     loader = DataLoader(ds, batch_size=4, num_workers=2, pin_memory=True)
     got = list(CudaPrefetcher(loader, device="cuda", depth=depth, non_blocking=non_blocking))
     _same_on_gpu(got, list(DataLoader(ds, batch_size=4)))
+
+
+class _Interrupted:
+    """A loader's iterator: batch i is {"x": tensor full of i}, up to `n`; at the indices in
+    `raises` it raises that exception first (a dataset's error, a Ctrl-C while it is waited on),
+    and then goes on, as ShmDataLoader's and torch's iterators do."""
+
+    def __init__(self, n: int, raises: dict):
+        self.n, self.raises, self.i = n, dict(raises), 0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if self.i in self.raises:
+            raise self.raises.pop(self.i)
+        if self.i >= self.n:
+            raise StopIteration
+        self.i += 1
+        return {"x": torch.full((4,), float(self.i - 1))}
+
+
+def _drive(iterator, limit: int = 30) -> list:
+    """Each next()'s batch index or the exception's type name, until StopIteration."""
+    got = []
+    while len(got) < limit:
+        try:
+            got.append(int(next(iterator)["x"][0]))
+        except StopIteration:
+            return got
+        except (ValueError, KeyboardInterrupt) as exc:
+            got.append(type(exc).__name__)
+    return got
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("depth", [1, 2, 3])
+def test_prefetcher_raises_a_loader_error_at_its_batchs_turn_and_goes_on(depth):
+    """NOTE [ Errors in order ]: the error of batch 3, met while batch 1 was handed over, took
+    batch 1's place (batch 1 was lost, and the error came two batches early)."""
+    want = _drive(_Interrupted(6, {3: ValueError("sample 3")}))
+    assert want == [0, 1, 2, "ValueError", 3, 4, 5]
+    rt = FakeRuntime(auto_complete=True)
+    got = _drive(iter(CudaPrefetcher(_Interrupted(6, {3: ValueError("sample 3")}), depth=depth, runtime=rt)))
+    assert got == want
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("depth", [1, 2])
+def test_prefetcher_loses_no_batch_to_a_ctrl_c_while_the_loader_is_waited_on(depth):
+    """A KeyboardInterrupt while the next batch is fetched comes at once; the batch already taken
+    for the caller comes with the next next(), and then every later one."""
+    rt = FakeRuntime(auto_complete=True)
+    got = _drive(iter(CudaPrefetcher(_Interrupted(6, {3: KeyboardInterrupt()}), depth=depth, runtime=rt)))
+    assert got.count("KeyboardInterrupt") == 1
+    assert [x for x in got if x != "KeyboardInterrupt"] == [0, 1, 2, 3, 4, 5], got
