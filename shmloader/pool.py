@@ -22,9 +22,11 @@ from __future__ import annotations
 
 import math
 import os
+import pickle
 import select
 import signal
 import time
+import warnings
 import weakref
 
 from . import diagnosis
@@ -47,6 +49,18 @@ from .timing import init_block, read_block
 from .worker import worker_main
 
 STOP_GRACE_SECONDS = 0.5  # how long stopped workers get before they are terminated
+
+
+def _warn_unpicklable(context) -> None:
+    """torch's hint when a worker cannot start because its arguments do not pickle."""
+    method = context.get_start_method()
+    warnings.warn(
+        f"Got pickle error when attempting to start a worker Process under the {method!r} start "
+        "method, which pickles the worker's arguments (the dataset, collate_fn, worker_init_fn): "
+        "define them at module level rather than as lambdas or local "
+        "functions, drop unpicklable members (locks, open files), or use "
+        "multiprocessing_context='fork' where the platform allows it.",
+        UserWarning, stacklevel=4)
 
 
 def hello(status_bytes: int) -> Hello:
@@ -129,6 +143,9 @@ class WorkerPool:
                                       name=f"shmloader-worker-{worker_id}", daemon=True)
             try:
                 process.start()
+            except (TypeError, AttributeError, pickle.PicklingError):
+                _warn_unpicklable(context)
+                raise
             finally:
                 child_sock.close()
         self.processes.append(process)

@@ -178,6 +178,24 @@ def test_dataset_exception_under_spawn():
     assert type(exc) is ValueError and "worker 0" in str(exc)
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("method", ["spawn", "forkserver"])
+def test_a_collate_fn_that_does_not_pickle_raises_torchs_error_with_its_hint(method):
+    """Under spawn and forkserver the worker's arguments are pickled: torch's PicklingError, and
+    torch's warning saying why and what to do (found by a new-user check: the hint was missing)."""
+    def run(cls):
+        with pytest.warns(UserWarning, match="Got pickle error when attempting to start a worker Process") as caught:
+            with pytest.raises(Exception) as info:
+                list(cls(ds.ArrayDataset(n=8), batch_size=2, num_workers=2,
+                         multiprocessing_context=method, collate_fn=lambda batch: batch))
+        return type(info.value), [str(w.message) for w in caught]
+
+    want_type, _ = run(DataLoader)
+    got_type, warned = run(ShmDataLoader)
+    assert got_type is want_type
+    assert any(method in message and "module level" in message for message in warned), warned
+
+
 # -- a worker that dies --------------------------------------------------------------------------------
 
 
