@@ -398,12 +398,12 @@ class _PoolIter(torch_private.BaseDataLoaderIter):
 
     def _shutdown_workers(self) -> None:
         """See NOTE [ Shutdown ] in pool.py."""
-        if self._shutdown:
-            return
-        if os.getpid() != self._owner_pid:  # the garbage of a forked copy: not ours to stop
-            self.disown()
-            return
         with ctrl_c_held():  # NOTE [ Ctrl-C held ] in interrupts.py: flagged done, then done
+            if self._shutdown:
+                return
+            if os.getpid() != self._owner_pid:  # the garbage of a forked copy: not ours to stop
+                self.disown()
+                return
             self._shutdown = True
             try:
                 if self._pool is not None:

@@ -130,6 +130,7 @@ from torch.utils.data import IterableDataset, default_collate
 from . import rows
 from ._ring import HEADER_BYTES, SlotArena
 from .errors import LoaderTimeoutError, SlotProtocolError
+from .interrupts import ctrl_c_held
 from .loader import _RESUMABLE, POLL_SECONDS, TIMEOUT_ADVICE, LoaderStats, _Failure, _PoolIter
 from .pool import Poller, WorkerPool
 from .protocol import (
@@ -506,12 +507,13 @@ class SampleParallelIter(_PoolIter):
         try:
             if capacity < needed or kept:  # (a kept segment stays with the worker's cache)
                 self._kept_segments.discard((slot, generation))
-                segment = create_segment(slot_capacity(needed, capacity, hint), generation + 1,
-                                         f"slot {slot} of the ring ({ring.depth} slots)", populate=False)
-                try:
-                    ring.adopt(slot, os.dup(segment.fd), segment.size, generation + 1)
-                finally:
-                    segment.close_fd()  # this mapping goes with `segment`; the ring maps its own
+                with ctrl_c_held():  # made and adopted whole (NOTE [ Ctrl-C held ] in interrupts.py)
+                    segment = create_segment(slot_capacity(needed, capacity, hint), generation + 1,
+                                             f"slot {slot} of the ring ({ring.depth} slots)", populate=False)
+                    try:
+                        ring.adopt(slot, os.dup(segment.fd), segment.size, generation + 1)
+                    finally:
+                        segment.close_fd()  # this mapping goes with `segment`; the ring maps its own
                 self._scheduler.pin(ring.segment(slot))
                 self._scheduler.replenish()  # workers forget the segment it replaced
             found = ring.segment(slot).claim(self._num_workers, batch.idx)  # writer: the main process

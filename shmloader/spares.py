@@ -75,9 +75,11 @@ class SpareMaker:
                 self._cond.notify()
 
     def pending(self) -> int:
-        """Segments ready or being made."""
-        with self._cond:
-            return len(self._ready) + self._making
+        """Segments ready or being made.  Read without the lock (each read is atomic under the
+        GIL; a segment moving from made to ready may be missed for a moment): it runs at every
+        grant round, and a KeyboardInterrupt between a `with` lock's acquire and its block leaves
+        the lock held, and this thread never woken again."""
+        return len(self._ready) + self._making
 
     def take(self, capacity: int) -> _ring.Segment | None:
         """A ready segment of `capacity` bytes, or None."""
