@@ -333,22 +333,24 @@ class _Paced(Dataset):
         return torch.full((64,), float(i))
 
 
-_POLL_SYSCALLS = {"7", "271"}  # x86-64 poll, ppoll: where a waiting next() blocks
-
-
 def _interrupt_the_wait(main_tid: int, stop: threading.Event) -> None:
     """SIGINT this process once the main thread blocks in poll (next() waiting for a batch),
     unless `stop` is set first."""
     def in_poll():
+        """Blocked in a poll with a timeout (not a poll(0) that returns at once)."""
         try:
             with open(f"/proc/self/task/{main_tid}/syscall") as f:
-                return f.read().split()[0] in _POLL_SYSCALLS
+                fields = f.read().split()
         except OSError:
             return True  # no way to tell: the samples are slow enough for the wait to dominate
+        # x86-64: 7 is poll (its third argument the timeout in ms), 271 ppoll
+        return fields[0] == "271" or (fields[0] == "7" and int(fields[3], 16) != 0)
     while not stop.is_set():
         if in_poll():
-            os.kill(os.getpid(), signal.SIGINT)
-            return
+            time.sleep(0.002)
+            if in_poll():  # still blocked: not on its way out with a message
+                os.kill(os.getpid(), signal.SIGINT)
+                return
         time.sleep(0.001)
 
 
