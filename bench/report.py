@@ -14,6 +14,7 @@ import subprocess
 from collections.abc import Iterable
 
 from . import stats
+from .targets import target_lines
 from .workloads import size_label
 
 SCHEMA = "shmloader-bench/1"
@@ -460,6 +461,10 @@ def format_report(doc: dict) -> str:
     if timing:
         out += ["shmloader's stall diagnostics (stats().timing): s/batch on / off - 1, each "
                 "repeat's two runs paired, median [min-max]:", *timing, ""]
+    checked = target_lines(doc)
+    if checked:
+        out += ["the issues' targets that this run measured: each ratio per repeat (its runs paired), "
+                "median [min-max]; met or MISSED at the median (bench/targets.py):", *checked, ""]
     rings = ring_lines(doc)
     if rings:
         out += ["shmloader ring (size /dev/shm for it):", *rings, ""]
