@@ -140,16 +140,19 @@ def capture(dataset_kind: int, dataset: Any, fetcher: Any) -> dict | None:
     return {"dataset": dataset_state, "iterator": None, "ended": False}
 
 
-def restore_dataset(dataset_kind: int, dataset: Any, saved: dict | None, new_fetcher):
+def restore_dataset(dataset_kind: int, dataset: Any, saved: dict | None, new_fetcher,
+                    in_process: bool = False):
     """Load a worker's saved state in torchdata's order: the dataset's, then iter(dataset) (by
-    `new_fetcher()`, which returns the fetcher), then the iterator's."""
+    `new_fetcher()`, which returns the fetcher), then the iterator's.  A worker always asks its
+    stream for one more batch; in process (num_workers=0) a stream that had ended as the last
+    batch was filled stays ended, so the resumed epoch ends there: both as torchdata does."""
     if saved is not None and saved.get("dataset") is not None:
         _load_into(dataset, saved["dataset"], "dataset")
     fetcher = new_fetcher()
     if saved is not None and dataset_kind == _DatasetKind.Iterable:
         if saved.get("iterator") is not None:
             _load_into(fetcher.dataset_iter, saved["iterator"], "dataset's iterator (iter(dataset))")
-        fetcher.ended = False  # always ask for one more batch, as torchdata does
+        fetcher.ended = bool(saved.get("ended")) if in_process else False
     return fetcher
 
 
@@ -569,7 +572,7 @@ class SingleProcessIter(_SingleProcessDataLoaderIter):
             if not tracker.skip:  # a fast-forward replays the stream from its start instead
                 worker = saved["workers"][0] if len(saved["workers"]) == 1 else None
                 self._dataset_fetcher = restore_dataset(self._dataset_kind, self._dataset, worker,
-                                                        self._new_fetcher)
+                                                        self._new_fetcher, in_process=True)
         elif not (is_stateful(self._index_sampler) or is_stateful(self._sampler_iter)):
             self._replay_from_first_index = True  # its generators' states taken then (_next_index)
             tracker.before_saving = self._fix_first_index

@@ -87,6 +87,27 @@ class EpochStream(IterableDataset):
         self._resuming = True
 
 
+class RewindingStream(IterableDataset):
+    """A position that goes back to 0 when the stream runs out (the next iter() starts over), the
+    state torchdata saves: the position.  With 7 items in batches of 3 the last batch is partial,
+    so the fetcher sees the stream end while filling it, and the state saved after it says 0."""
+
+    def __init__(self, n: int = 7):
+        self.n, self.pos = n, 0
+
+    def __iter__(self):
+        for i in range(self.pos, self.n):
+            self.pos = i + 1
+            yield i
+        self.pos = 0
+
+    def state_dict(self):
+        return {"pos": self.pos}
+
+    def load_state_dict(self, state):
+        self.pos = state["pos"]
+
+
 class PlainStream(IterableDataset):
     """Sharded by worker, without any state (resumed by fast-forwarding)."""
 

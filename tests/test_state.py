@@ -124,6 +124,30 @@ def test_state_after_the_last_batch_starts_the_next_epoch():
     assert [first] + [[plain(b) for b in resumed] for _ in range(2)] == want
 
 
+@pytest.mark.parametrize("num_workers", [0, 1])
+def test_state_after_a_partial_last_batch_resumes_as_torchdata(num_workers):
+    """Saved right after the epoch's last batch, a partial one (the stream ended while it was
+    filled, and rewound its position): in process the resumed loop yields nothing more, as the
+    uninterrupted run and torchdata do (found by a new-user check: it replayed the whole epoch);
+    with a worker, torchdata asks the stream for one more batch, and so does shmloader."""
+    def run(cls):
+        loader = cls(sds.RewindingStream(), batch_size=3, num_workers=num_workers)
+        first = []
+        for batch in loader:
+            first.append(plain(batch))
+            if len(first) == 3:
+                state = copy.deepcopy(loader.state_dict())
+        resumed = cls(sds.RewindingStream(), batch_size=3, num_workers=num_workers)
+        resumed.load_state_dict(state)
+        return first, [plain(b) for b in resumed], [plain(b) for b in resumed]
+
+    first, rest, after = run(ShmDataLoader)
+    assert first == [[0, 1, 2], [3, 4, 5], [6]] and after == first
+    assert (first, rest, after) == run(StatefulDataLoader)
+    if num_workers == 0:
+        assert rest == []
+
+
 # -- map-style datasets: the sampler's position --------------------------------------------------
 
 
