@@ -148,6 +148,8 @@ def skip_reason(t: Transport, p: Point) -> str | None:
             ver = getattr(__import__("shmloader"), "__version__", "?")
             return (f"ShmDataLoader (shmloader {ver}) does not accept "
                     f"{', '.join(k + '=' for k in missing)}: mode not available in this build")
+    if dict(t.extra).get("prefetch_next_epoch") and p.num_workers == 0:
+        return "no workers: prefetch_next_epoch needs persistent workers"
     if t.loader == "work":
         if p.workload not in ("seed001", "rows"):
             return "seed001 and rows only: the workloads with a work bound"

@@ -66,7 +66,10 @@ from .worker import COLLATE_CONVERT, COLLATE_CUSTOM, COLLATE_INTO_SLOT, Shipped,
 #   where the iterator's bookkeeping is whole: such a KeyboardInterrupt is marked resumable and
 #   the iterator goes on.  One raised anywhere else in the loader's code (between a message read
 #   and its record, say) may have cut a step in half, so it shuts the iterator down as before,
-#   and the next next() raises LoaderBrokenError naming it.
+#   and the next next() raises LoaderBrokenError naming it.  The sampler's own error (a sampler
+#   that raises mid-epoch) is resumable too, as under torch: it is raised by the next() that drew
+#   the index (whose batch is lost, as torch loses it), the batches already sent to the workers
+#   are still delivered, and the epoch then ends where the sampler stopped.
 _RESUMABLE = "_shmloader_resumable"
 
 POLL_SECONDS = 0.5  # longest blind wait: sentinels and timeouts are checked at least this often
@@ -178,6 +181,12 @@ class ShmDataLoader(DataLoader[_T_co]):
         self.max_ring_slots = max_ring_slots
         self.max_ring_bytes = max_ring_bytes
         self.prefetch_next_epoch = bool(prefetch_next_epoch)
+        if self.prefetch_next_epoch and not self.persistent_workers:  # (persistent: num_workers > 0)
+            raise ValueError(
+                "prefetch_next_epoch=True fetches the next epoch's first batches in workers that "
+                "outlive the epoch, so it needs persistent_workers=True (and num_workers > 0); got "
+                f"persistent_workers={self.persistent_workers}, num_workers={self.num_workers}: pass "
+                "persistent_workers=True, or leave prefetch_next_epoch off")
         self.sample_parallel = sample_parallel
         if sample_parallel:
             from .sample_parallel import check_loader
@@ -365,6 +374,20 @@ class _PoolIter(torch_private.BaseDataLoaderIter):
                     "start a new epoch with iter(loader)"
                 )
             raise StopIteration
+
+    def _next_index(self):
+        """The sampler's next batch of indices; its own error leaves the iterator whole (NOTE
+        [ Ctrl-C in the wait ]): raised at this next(), the next ones go on as torch's do."""
+        try:
+            return super()._next_index()
+        except StopIteration:
+            raise
+        except Exception as exc:
+            try:
+                setattr(exc, _RESUMABLE, True)
+            except AttributeError:  # an exception type that takes no attributes
+                pass
+            raise
 
     def _handle(self, worker_id: int, message, fds: list[int]):
         raise NotImplementedError

@@ -306,3 +306,12 @@ def test_by_default_an_epoch_is_fetched_after_its_iter_as_under_torch():
     for epoch, (g, w) in enumerate(zip(got, want)):
         assert {float(v) for b in g for v in b[:, 1]} == {float(epoch)}, f"epoch {epoch} saw another epoch's state"
         assert_same_batches(g, w)
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_prefetch_next_epoch_without_persistent_workers_is_a_clear_error(num_workers):
+    """Without persistent workers there is no next epoch in the same workers to prefetch: a
+    ValueError saying what to pass, not a mode silently off (found by a new-user check)."""
+    with pytest.raises(ValueError, match=rf"needs persistent_workers=True.*persistent_workers=False, "
+                                         rf"num_workers={num_workers}"):
+        ShmDataLoader(list(range(8)), batch_size=2, num_workers=num_workers, prefetch_next_epoch=True)
