@@ -15,7 +15,7 @@ import time
 
 import numpy as np
 import torch
-from torch.utils.data import Dataset, IterableDataset, get_worker_info
+from torch.utils.data import Dataset, IterableDataset, Sampler, get_worker_info
 
 Pair = collections.namedtuple("Pair", ["image", "label"])
 
@@ -347,3 +347,19 @@ def default_collate_inside(samples):
     from torch.utils.data import default_collate
 
     return {"inner": default_collate(samples)}
+
+
+class SamplerFailingAt(Sampler):
+    """Yields 0..31 and raises IndexError when it comes to index `at` (a generator: done after)."""
+
+    def __init__(self, at: int = 31):
+        self.at = at
+
+    def __len__(self):
+        return 32
+
+    def __iter__(self):
+        for i in range(32):
+            if i == self.at:
+                raise IndexError(f"the sampler fails at {i}")
+            yield i

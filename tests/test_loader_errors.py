@@ -441,22 +441,6 @@ def test_a_worker_that_exits_raises_a_runtime_error_not_the_exit(exit_with):
             pass
 
 
-class _SamplerFailingAt(torch.utils.data.Sampler):
-    """Yields 0..31 and raises IndexError when it comes to index `at` (a generator: done after)."""
-
-    def __init__(self, at: int = 31):
-        self.at = at
-
-    def __len__(self):
-        return 32
-
-    def __iter__(self):
-        for i in range(32):
-            if i == self.at:
-                raise IndexError(f"the sampler fails at {i}")
-            yield i
-
-
 def _events(loader, n: int = 12) -> list:
     """The first values of each batch, an exception's type name, or StopIteration, in order."""
     it, out = iter(loader), []
@@ -478,9 +462,9 @@ def test_a_sampler_that_raises_mid_epoch_goes_on_as_torch(kwargs):
     batch is lost), then delivers the batches already sent and ends the epoch; so does shmloader
     (found by a new-user check: it shut the iterator down, losing those batches)."""
     make = dict(dataset=ds.ArrayDataset(32, nbytes=4), batch_size=4, num_workers=2)
-    want = _events(DataLoader(sampler=_SamplerFailingAt(), **make))
+    want = _events(DataLoader(sampler=ds.SamplerFailingAt(), **make))
     assert want == [0, 4, 8, "IndexError", 16, 20, 24, "StopIteration"]  # torch's, as of 2.13
-    assert _events(ShmDataLoader(sampler=_SamplerFailingAt(), **make, **kwargs)) == want
+    assert _events(ShmDataLoader(sampler=ds.SamplerFailingAt(), **make, **kwargs)) == want
 
 
 def test_a_sampler_that_raises_mid_epoch_goes_on_in_sample_parallel():
@@ -488,7 +472,7 @@ def test_a_sampler_that_raises_mid_epoch_goes_on_in_sample_parallel():
     (another one than torch's, since the mode keeps max(2, prefetch_factor) batches in flight),
     and the batches in flight after it, in order."""
     got = _events(ShmDataLoader(ds.ArrayDataset(32, nbytes=4), batch_size=4, num_workers=2, sample_parallel=True,
-                                sampler=_SamplerFailingAt()))
+                                sampler=ds.SamplerFailingAt()))
     assert got.count("IndexError") == 1 and got[-1] == "StopIteration"
     values = [v for v in got if isinstance(v, int)]
     assert values == sorted(values) and set(values) <= set(range(0, 28, 4)) and len(values) >= 5

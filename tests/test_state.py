@@ -430,3 +430,27 @@ def test_a_refused_state_leaves_the_loader_as_it_was():
         loader.load_state_dict(state)
     assert [plain(b)["i"] for b in loader] == first
     del loader
+
+
+def test_state_after_a_sampler_error_resumes_as_torchdata():
+    """A sampler that raised mid-epoch (its error caught by the loop, the epoch gone on): the
+    state saved after it resumes with the batches torchdata's StatefulDataLoader resumes with,
+    then a whole next epoch."""
+    from . import _datasets as ds
+
+    def run(loader_class):
+        make = dict(dataset=ds.ArrayDataset(32, nbytes=4), batch_size=4, num_workers=2)
+        loader = loader_class(sampler=ds.SamplerFailingAt(), **make)
+        it, seen = iter(loader), []
+        for _ in range(5):
+            try:
+                seen.append(int(next(it)[0]))
+            except IndexError:
+                seen.append("IndexError")
+        resumed = loader_class(sampler=ds.SamplerFailingAt(at=99), **make)
+        resumed.load_state_dict(loader.state_dict())
+        return seen, [int(b[0]) for b in resumed], [int(b[0]) for b in resumed]
+
+    want = run(StatefulDataLoader)
+    assert want == ([0, 4, 8, "IndexError", 16], [20, 24, 28], list(range(0, 32, 4)))  # torchdata 0.11's
+    assert run(ShmDataLoader) == want
