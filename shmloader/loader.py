@@ -484,8 +484,7 @@ class _ShmLoaderIter(_PoolIter):
         self._pinner = pinner
         self._scheduler = SlotScheduler(
             self._num_workers, self._prefetch_factor, slot_bytes=loader.slot_bytes,
-            max_slots=loader.max_ring_slots, max_bytes=getattr(loader, "max_ring_bytes", None), pinner=pinner,
-            steady_slots=self._num_workers + 1)  # NOTE [ The steady ring made ahead ] in scheduler.py
+            max_slots=loader.max_ring_slots, max_bytes=getattr(loader, "max_ring_bytes", None), pinner=pinner)
         context = loader.multiprocessing_context or torch.multiprocessing
         payload, mode = self._worker_payload(loader)
 

@@ -471,11 +471,6 @@ class Ring:
     def segments(self) -> list[_ring.Segment]:
         return [s for s in self._segments if s is not None]
 
-    def segments_made_or_on_their_way(self) -> int:
-        """How many slots have a segment, or are granted to a worker that makes its own."""
-        return sum(1 for slot, segment in enumerate(self._segments)
-                   if segment is not None or self._states[slot] == _DISPATCHED)
-
     def stats(self) -> RingStats:
         self.collect_released()
         allocated = self.segments()

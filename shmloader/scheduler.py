@@ -60,18 +60,6 @@ NOTE [ Slots the loop gives back ]
   worker's batches come in order, so it has none queued).  Without this, a worker running ahead
   of the other by a few samples made a slot more than is in flight: 4 slots where 3 do, 256 MiB
   more for batches of 256 MiB.
-
-NOTE [ The steady ring made ahead ]
-  With large slots every worker writes its batch in a slot of its own (no second grant), and
-  the training loop holds the batch it works on: num_workers + 1 slots in the steady state.
-  The workers' first batches make the first num_workers (each worker its own, sized by its
-  samples); the one more was made at the moment it was needed, after the loop's first batches,
-  when a worker finished while the loop still held one: then its 15-45 ms of zero-filling ran
-  inside the epoch's timed batches (seed001 at 6 workers: between the 6th and the 7th batch).
-  So once the first batch has taught the slot size, the spare thread (spares.py) makes the
-  slots missing up to num_workers + 1 while tasks are owed, off the path of any batch, and a
-  grant installs one as it would a spare it waited for.  Only for large slots (small ones cost
-  microseconds to make) and only in the default mode (sample_parallel.py sizes its own ring).
 """
 
 from __future__ import annotations
@@ -109,7 +97,7 @@ class SlotScheduler:
     are started `pinner` page-locks slots for pin_memory (cuda.SlotPinner) or is None."""
 
     def __init__(self, num_workers: int, prefetch_factor: int, send=None, *, slot_bytes=None,
-                 max_slots=None, max_bytes=None, pinner=None, depth=None, steady_slots=None):
+                 max_slots=None, max_bytes=None, pinner=None, depth=None):
         if depth is None:  # NOTE [ Ring size ] in ring.py; sample_parallel.py asks for fewer
             depth = prefetch_factor * num_workers + CONSUMER_SLOTS
         self.ring = Ring(depth, slot_bytes, max_slots, max_bytes)
@@ -126,7 +114,6 @@ class SlotScheduler:
         self._deferral = _Deferral(self)
         self._patient: frozenset[int] | set[int] = frozenset()  # during replenish(patient)
         self.in_place_bytes = 0  # array bytes workers did not copy (NOTE in worker.py)
-        self._steady_slots = steady_slots  # NOTE [ The steady ring made ahead ]
 
     # -- what the iterator tells it --------------------------------------------------------------
 
@@ -210,15 +197,8 @@ class SlotScheduler:
                 waiting_for_spares += 1
                 continue
             self._grant(worker_id, created_only=ahead)
-        ring.want_spares(max(waiting_for_spares, self._steady_shortfall()))
+        ring.want_spares(waiting_for_spares)
         self._forget_retired()
-
-    def _steady_shortfall(self) -> int:
-        """The slots missing up to the steady ring, to be made ahead (NOTE [ The steady ring
-        made ahead ]): none but for large slots while results are owed."""
-        if not self._steady_slots or not self._owed or not self.large_slots:
-            return 0
-        return max(0, self._steady_slots - self.ring.segments_made_or_on_their_way())
 
     def _grant(self, worker_id: int, created_only: bool = False) -> None:
         ring = self.ring

@@ -7,14 +7,11 @@ from __future__ import annotations
 
 import os
 import threading
-import time
 
-import numpy as np
 import pytest
 import torch
 
 import shmloader.ring
-import shmloader.scheduler
 from shmloader import ShmDataLoader
 from shmloader.errors import ShmCapacityError
 from shmloader.spares import SpareMaker
@@ -56,39 +53,6 @@ def test_workers_create_only_their_first_slots():
     del held, batch
     assert _drain(loader) == 60  # the next epoch reuses the ring
     assert loader.stats().slot_grows == 0
-
-
-class _LargeSamples(torch.utils.data.Dataset):
-    """8 MiB float32 samples after a short sleep: batches of 5 are large slots (40 MiB)."""
-
-    def __len__(self):
-        return 30
-
-    def __getitem__(self, i):
-        time.sleep(0.01)
-        return np.full(2 << 20, i, dtype=np.float32)
-
-
-def test_the_steady_ring_is_made_ahead_for_large_slots():
-    """NOTE [ The steady ring made ahead ] (shmloader/scheduler.py): with large slots, the slot
-    beyond the workers' own (the one the loop's batch holds) is made once the first batch has
-    taught the size, while the loop still holds that batch, not later when a worker finds every
-    slot taken; and the ring never holds more than num_workers + 1."""
-    assert 5 * (8 << 20) > shmloader.scheduler.AHEAD_MAX_SLOT_BYTES  # large slots
-    loader = ShmDataLoader(_LargeSamples(), batch_size=5, num_workers=WORKERS)
-    it = iter(loader)
-    first = next(it)
-    slot_bytes = loader.stats().slot_bytes
-    # The main process's segments while the loop holds its first batch and reads nothing more:
-    # that batch's slot and the one made ahead (worker 1's own comes with its batch).  Without
-    # the NOTE, the slot was made only when a grant waited for it, at a later next().
-    assert wait_until(lambda: loader.stats().ring_bytes >= 2 * slot_bytes, timeout=20), loader.stats()
-    values = [int(first[0, 0])]
-    del first
-    values += [int(batch[0, 0]) for batch in it]
-    assert values == list(range(0, 30, 5))
-    stats = loader.stats()
-    assert stats.made_ahead >= 1 and stats.ring_bytes <= (WORKERS + 1) * stats.slot_bytes, stats
 
 
 def test_with_slot_bytes_given_every_slot_is_made_ahead():
