@@ -25,8 +25,10 @@ def describe_exit(exitcode: int | None, status_lost: bool = False) -> str:
         return ("has ended, its exit status unknown (this process ignores SIGCHLD, signal.SIG_IGN, "
                 "perhaps inherited from its launcher, so the kernel reaped the worker without "
                 "keeping its status; a SIGKILL from the out-of-memory killer is a common cause)")
-    if exitcode is None:
-        return "is still running"
+    if exitcode is None:  # NOTE [ A sentinel closed by a live worker ] in pool.py
+        return ("closed its connection to the main process (its socket and sentinel pipe) and is "
+                "still running: it is stopped (does its code close file descriptors it did not "
+                "open, as daemonizing code does?)")
     if exitcode < 0:
         try:
             sig = signal.Signals(-exitcode)

@@ -392,6 +392,19 @@ class _PoolIter(torch_private.BaseDataLoaderIter):
     def _handle(self, worker_id: int, message, fds: list[int]):
         raise NotImplementedError
 
+    _exits_checked = 0.0  # when the workers' exit status was last read (_check_exits)
+
+    def _check_exits(self) -> None:
+        """Every POLL_SECONDS of waiting, a worker that exited is a death even where its socket
+        and sentinel stay open (NOTE [ A sentinel closed by a live worker ] in pool.py)."""
+        now = time.monotonic()
+        if now - self._exits_checked < POLL_SECONDS:
+            return
+        self._exits_checked = now
+        exited = self._pool.first_exited()
+        if exited is not None:
+            self._worker_died(exited)
+
     def _worker_died(self, worker_id: int):
         for message, fds in self._pool.last_words(worker_id):
             try:
@@ -811,6 +824,7 @@ class _ShmLoaderIter(_PoolIter):
             for fd in ready:
                 if fd in sentinel_of and fd not in channel_of:
                     self._worker_died(sentinel_of[fd])
+            self._check_exits()
             if until is not None and until():
                 return None
             if deadline is not None and time.monotonic() >= deadline:

@@ -49,6 +49,7 @@ from .timing import init_block, read_block
 from .worker import worker_main
 
 STOP_GRACE_SECONDS = 0.5  # how long stopped workers get before they are terminated
+KILLED_JOIN_SECONDS = 10.0  # a SIGKILLed worker is gone in far less (one in D state: left to the OS)
 
 
 def _warn_unpicklable(context) -> None:
@@ -190,10 +191,18 @@ class WorkerPool:
             except (ChannelClosed, ConnectionError):
                 return
 
+    def first_exited(self) -> int | None:
+        """A worker whose process has exited, or None (NOTE [ A sentinel closed by a live
+        worker ]): its socket and sentinel may be held open by a process it forked."""
+        for worker_id, process in enumerate(self.processes):
+            if process.exitcode is not None or reaped_by_kernel(process):
+                return worker_id
+        return None
+
     def death(self, worker_id: int) -> WorkerDiedError:
         """The error that reports worker `worker_id`'s death (it is joined first)."""
         process = self.processes[worker_id]
-        process.join(timeout=1.0)
+        _join(process, 1.0)
         doing = describe_stage(self.board, worker_id)
         return WorkerDiedError(worker_id, process.pid, process.exitcode, doing,
                                self.crash_logs[worker_id].read(),
@@ -243,15 +252,15 @@ class WorkerPool:
                     pass
             deadline = time.monotonic() + STOP_GRACE_SECONDS
             for process in self.processes:
-                process.join(timeout=max(0.0, deadline - time.monotonic()))
+                _join(process, max(0.0, deadline - time.monotonic()))
             for process in self.processes:
                 if _alive(process):
                     process.terminate()
             for process in self.processes:
-                process.join(timeout=2.0)
+                _join(process, 2.0)
                 if _alive(process):
                     process.kill()
-                    process.join()
+                    _join(process, KILLED_JOIN_SECONDS)
         finally:
             for channel in self.channels:
                 channel.close()
@@ -297,6 +306,32 @@ def reaped_by_kernel(process, wait: float = 0.0) -> bool:
         if time.monotonic() >= deadline:
             return False
         time.sleep(0.001)
+
+
+# NOTE [ A sentinel closed by a live worker ]
+#   multiprocessing's Process.join(timeout) waits for the worker's sentinel pipe to close, then
+#   reads its exit status with a blocking waitpid.  A worker that closes its own end of that pipe
+#   and lives on (a worker_init_fn that closes every file descriptor above some number, as
+#   daemonizing code does) made that waitpid block until the worker ended: a next() that hung
+#   for good, timeout= or not.  So the loader never calls join(): it polls the exit status
+#   (non-blocking) until its deadline, and a worker still running then is terminated and killed
+#   at shutdown as any other.  Likewise a worker that died while a process it forked holds its
+#   socket and sentinel open (a helper it started) closes neither: the wait for batches checks
+#   the workers' exit status every POLL_SECONDS (`first_exited`), as torch checks is_alive().
+
+
+def _join(process, timeout: float) -> None:
+    """Wait up to `timeout` for `process` to exit, never blocking past it (NOTE above)."""
+    deadline = time.monotonic() + timeout
+    sentinel = Poller([process.sentinel])
+    while process.exitcode is None and not reaped_by_kernel(process):
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            return
+        if sentinel.ready(0):  # closed: the exit status is a moment away, or the worker lives on
+            time.sleep(min(remaining, 0.002))
+        else:
+            sentinel.ready(remaining)
 
 
 def _alive(process) -> bool:

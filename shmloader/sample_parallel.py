@@ -694,6 +694,7 @@ class SampleParallelIter(_PoolIter):
                 if fd in sentinel_of and fd not in channel_of:
                     self._worker_died(sentinel_of[fd])
             ready = self._everything.ready(0)
+        self._check_exits()
         return handled
 
     # -- statistics and shutdown ---------------------------------------------------------------------

@@ -363,3 +363,50 @@ class SamplerFailingAt(Sampler):
             if i == self.at:
                 raise IndexError(f"the sampler fails at {i}")
             yield i
+
+
+class DiesLeavingAHelper(Dataset):
+    """The worker that fetches sample `bad` forks a helper that sleeps (holding the worker's
+    socket and sentinel pipe open, as a subprocess it started would) and exits; the helper's pid
+    goes to `pid_file` for the test to kill."""
+
+    def __init__(self, pid_file: str, n: int = 64, bad: int = 9):
+        self.pid_file, self.n, self.bad = pid_file, n, bad
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        if i == self.bad:
+            helper = os.fork()
+            if helper == 0:
+                time.sleep(60)
+                os._exit(0)
+            with open(self.pid_file, "w") as f:
+                f.write(str(helper))
+            os._exit(3)
+        return np.full(4, i, dtype=np.float32)
+
+
+class ClosesItsFds(Dataset):
+    """The worker that fetches sample `bad` closes every file descriptor above stderr but the
+    pidfd that watches the main process (so its socket and its end of the sentinel pipe), as
+    daemonizing code in a worker_init_fn does, and lives on for `seconds`."""
+
+    def __init__(self, n: int = 64, bad: int = 9, seconds: float = 30.0):
+        self.n, self.bad, self.seconds = n, bad, seconds
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        if i == self.bad:
+            for name in os.listdir("/proc/self/fd"):
+                fd = int(name)
+                try:
+                    if fd > 2 and "pidfd" not in os.readlink(f"/proc/self/fd/{fd}"):
+                        os.close(fd)
+                except OSError:
+                    pass  # the listing's own fd, gone already
+            time.sleep(self.seconds)
+        return np.full(4, i, dtype=np.float32)

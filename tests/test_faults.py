@@ -451,3 +451,44 @@ def test_a_ctrl_c_during_a_resumes_fast_forward_leaves_the_rest_of_it_to_the_nex
     assert getattr(caught.value, "_shmloader_resumable", False), "in 4 runs, no Ctrl-C landed in the wait"
     got = [int(batch[0, 0]) for batch in it]
     assert len(want) == 14 and got == want
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("kwargs", [{}, {"sample_parallel": True}], ids=["default", "sample_parallel"])
+def test_a_worker_that_dies_while_a_process_it_forked_lives_is_reported(kwargs, tmp_path):
+    """The helper holds the dead worker's socket and sentinel open, so neither closes: the wait
+    reads the workers' exit status every POLL_SECONDS (NOTE [ A sentinel closed by a live
+    worker ] in pool.py).  torch reports it within a second; shmloader waited for the helper."""
+    from . import _datasets as ds
+
+    pid_file = tmp_path / "helper.pid"
+    loader = ShmDataLoader(ds.DiesLeavingAHelper(str(pid_file)), batch_size=4, num_workers=2, **kwargs)
+    start = time.monotonic()
+    try:
+        with pytest.raises(WorkerDiedError, match="exited with status 3"):
+            for _ in loader:
+                pass
+        assert time.monotonic() - start < REPORT_WITHIN
+    finally:
+        if wait_until(pid_file.exists, timeout=5):
+            helper = int(pid_file.read_text())
+            try:
+                os.kill(helper, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("kwargs", [{}, {"sample_parallel": True}], ids=["default", "sample_parallel"])
+def test_a_worker_that_closes_its_fds_and_lives_on_is_reported_not_waited_for(kwargs):
+    """Its socket and sentinel close while it runs: multiprocessing's join() then blocks in
+    waitpid until the worker ends (30 s here); the loader reports the death within seconds and
+    stops the worker (NOTE [ A sentinel closed by a live worker ] in pool.py)."""
+    from . import _datasets as ds
+
+    loader = ShmDataLoader(ds.ClosesItsFds(), batch_size=4, num_workers=2, **kwargs)
+    start = time.monotonic()
+    with pytest.raises(WorkerDiedError, match="closed its connection to the main process"):
+        for _ in loader:
+            pass
+    assert time.monotonic() - start < REPORT_WITHIN
