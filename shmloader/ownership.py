@@ -83,6 +83,11 @@ def forking():
                 gc.enable()
 
 
+def forking_a_worker() -> bool:
+    """Whether this thread is forking a worker of ours now (forking())."""
+    return _forking_thread == threading.get_ident()
+
+
 # NOTE [ A fork of the user's ]
 #   A process the user forks (os.fork, a fork-started multiprocessing child) inherits this
 #   module's state as it was in the forking thread's parent, other threads' too (loader.py's

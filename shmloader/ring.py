@@ -35,6 +35,18 @@ NOTE [ Held batches ]
   segment: so small leaves are delivered as copies that hold no slot (NOTE [ Small leaves are
   copies ] in layout.py), and a kept label tensor costs its bytes.
 
+NOTE [ Batches held across a fork of the user's ]
+  A slot is MAP_SHARED memory: a process the user forks (os.fork, a fork-started
+  multiprocessing child given a batch) maps the slots of the batches the loop holds, and copy-on-
+  write does not apply.  Once the loop dropped such a batch, the ring wrote a later batch into
+  that slot: the child's batch changed under it, and what the child wrote into "its" batch showed
+  in the parent's later batches.  torch's batches each have a segment of their own, never reused.
+  So after any fork but a worker's own (os.register_at_fork), the slots leased at the next ring
+  round are detached as held batches are (NOTE [ Held batches ]): their segments stay with the
+  batches, the parent's mapping goes when its last view does, the child's when the child is
+  done, and the ring makes new ones.  Cost: a new segment per batch held at each fork (a
+  validation loader's workers fork too).
+
 NOTE [ Ring size ]
   depth = num_workers × prefetch_factor (batches in flight, as torch counts them) + CONSUMER_SLOTS
   (batches the training loop holds: the one in use and the one being fetched).  Slots are created
@@ -68,7 +80,7 @@ from . import _ring
 from . import segment as shm_segment
 from .errors import RingFullError, ShmCapacityError, SlotProtocolError
 from .interrupts import ctrl_c_held
-from .ownership import register_parent_only
+from .ownership import forking_a_worker, register_parent_only
 from .segment import MIN_HEADROOM, create_segment, page_round
 from .spares import SpareMaker
 
@@ -113,6 +125,19 @@ class RingStats:
         return self.ring_bytes + self.held_bytes
 
 
+_RINGS: weakref.WeakSet = weakref.WeakSet()  # every open ring (NOTE [ Batches held across a fork ... ])
+
+
+def _after_fork_in_parent() -> None:
+    if not forking_a_worker():
+        for ring in list(_RINGS):
+            ring._forked = True  # one store: the ring's own thread acts on it (collect_released)
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_parent=_after_fork_in_parent)
+
+
 class Ring:
     """Slots owned by the main process (see NOTE [ Slot lifecycle ] and NOTE [ Held batches ]).
 
@@ -149,7 +174,9 @@ class Ring:
         self._fits = False  # the whole ring at slot_bytes was found to fit (_check_fits)
         self._spares = SpareMaker(lambda capacity: create_segment(capacity, 0, "a spare ring slot", populate=False))
         self._spares_on = os.environ.get("SHMLOADER_SPARE_SLOTS", "1") != "0"  # NOTE [ Spare segments ]
+        self._forked = False  # a fork of the user's since the last ring round
         self._closed = False  # last: the __del__ of a half-made ring has nothing to close
+        _RINGS.add(self)
         register_parent_only(self)
         if self.slot_bytes is not None:
             self._check_fits()
@@ -441,6 +468,10 @@ class Ring:
         return self._released.append
 
     def collect_released(self) -> int:
+        if self._forked and not self._closed:  # before any release: those batches may live on in the child
+            self._forked = False
+            for slot in list(self._leased):
+                self._detach(slot)  # NOTE [ Batches held across a fork of the user's ]
         n = 0
         while self._released:
             slot, generation = self._released.popleft()

@@ -282,3 +282,40 @@ def test_one_outlier_batch_does_not_size_the_slots_made_after_it():
     assert stats.slot_bytes < 3 * mib, stats
     assert stats.ring_bytes <= DEPTH * 3 * mib, stats  # no 27 MiB slot left in the ring
     del it
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"sample_parallel": True}], ids=["default", "sample_parallel"])
+def test_a_batch_held_across_a_fork_of_the_users_is_never_written_again(kwargs):
+    """NOTE [ Batches held across a fork of the user's ] (ring.py): a child forked while the
+    loop holds batch 0 keeps batch 0 as it was while the parent goes on (the slot used to be
+    reused: the child's batch changed under it), and what the child writes into its batch never
+    shows in the parent's later batches, as with torch's segments of their own."""
+    import time
+
+    import numpy as np
+
+    loader = ShmDataLoader(ds.ArrayDataset(n=96, nbytes=64 * 1024), batch_size=4, num_workers=2, **kwargs)
+    want = [b.clone() for b in DataLoader(ds.ArrayDataset(n=96, nbytes=64 * 1024), batch_size=4)]
+    it = iter(loader)
+    batch = next(it)
+    held = batch.numpy()  # the child reads and writes through numpy (torch ops in a fork: no)
+    expected = want[0].numpy().copy()
+    read, write = os.pipe()
+    child = os.fork()
+    if child == 0:  # the child: check its batch after the parent has gone on, then write into it
+        os.close(read)
+        time.sleep(1.0)
+        same = bool(np.array_equal(held, expected))
+        held += 1000
+        os.write(write, b"1" if same else b"0")
+        os._exit(0)
+    os.close(write)
+    del batch, held
+    got = [next(it) for _ in range(10)]  # the ring's slots are all reused by now
+    assert os.read(read, 1) == b"1", "the child's batch changed while it held it"
+    os.close(read)
+    os.waitpid(child, 0)
+    got += list(it)
+    assert len(got) == len(want) - 1
+    for g, w in zip(got, want[1:]):
+        assert torch.equal(g, w)
