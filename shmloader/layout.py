@@ -791,19 +791,42 @@ def small_leaf_limit(slot_bytes: int) -> int:
     return min(SMALL_LEAF_BYTES, slot_bytes // SMALL_LEAF_SHARE)
 
 
-class _SlotUnpickler(pickle.Unpickler):
-    def __init__(self, descriptor: bytes, lease: _ring.SlotLease, payload_end: int, copy_upto: int = 0):
-        super().__init__(io.BytesIO(descriptor))
+# NOTE [ Reading a one-leaf batch ]
+#   The main process reads most batches as one array (NOTE [ One-leaf batches ]): the same
+#   descriptor, batch after batch.  Once the unpickler has read a descriptor that is one "t" or
+#   "n" leaf and nothing else, the descriptor's bytes map to that leaf's persistent id, and the
+#   next batches with those bytes are read by _LeafReader alone: no unpickler, no stream, no
+#   sparse-tensor check (there is no sparse tensor).  Every load still checks its bounds.  A
+#   plain tensor leaf whose dtype numpy has is made with torch.from_numpy of the slot's numpy
+#   view, one call into torch where frombuffer(...).view(shape) is two: at 1 MiB, with the
+#   caches cold after each wake-up, reading a tensor batch took about 28 µs of the training
+#   process's CPU against 13 µs for the same batch as a numpy array.
+
+_NUMPY_DTYPE = {getattr(torch, name): np.dtype(name) for name in (
+    "bool", "uint8", "int8", "int16", "int32", "int64", "float16", "float32", "float64",
+    "complex64", "complex128")}
+_ONE_LEAF_KINDS = ("t", "n")
+_ONE_LEAF_READS: dict[bytes, tuple] = {}  # descriptor -> the persistent id of its one leaf
+
+
+class _LeafReader:
+    """Rebuilds one leaf from its persistent id: a view of the slot behind `lease` (a copy where
+    it has at most `copy_upto` bytes), after checking that it lies within the payload."""
+
+    __slots__ = ("lease", "payload_end", "copy_upto", "loaded")
+
+    def __init__(self, lease: _ring.SlotLease, payload_end: int, copy_upto: int = 0):
         self.lease = lease
         self.payload_end = payload_end
         self.copy_upto = copy_upto  # NOTE [ Small leaves are copies ]
         self.loaded: dict[int, tuple[object, object]] = {}  # id(pid) -> (pid, the leaf)
 
-    def persistent_load(self, pid):
+    def load_once(self, pid):
+        """load(pid), or the leaf already loaded from this very pid (NOTE [ One object, one leaf ])."""
         loaded = self.loaded.get(id(pid))
-        if loaded is not None and loaded[0] is pid:  # NOTE [ One object, one leaf ]
+        if loaded is not None and loaded[0] is pid:
             return loaded[1]
-        leaf = self._load(pid)
+        leaf = self.load(pid)
         self.loaded[id(pid)] = (pid, leaf)
         return leaf
 
@@ -815,7 +838,7 @@ class _SlotUnpickler(pickle.Unpickler):
             )
         return offset
 
-    def _load(self, pid):
+    def load(self, pid):
         kind = pid[0]
         if kind in _TENSOR_KINDS:
             dtype = pid[1] if kind == "e" else pid[2]
@@ -830,7 +853,11 @@ class _SlotUnpickler(pickle.Unpickler):
             if count == 0:
                 view = torch.empty(shape, dtype=dtype)
             else:
-                view = torch.frombuffer(self.lease, dtype=dtype, count=count, offset=start).view(shape)
+                numpy_dtype = _NUMPY_DTYPE.get(dtype)
+                if numpy_dtype is None:
+                    view = torch.frombuffer(self.lease, dtype=dtype, count=count, offset=start).view(shape)
+                else:  # one call into torch (NOTE [ Reading a one-leaf batch ])
+                    view = torch.from_numpy(np.frombuffer(self.lease, numpy_dtype, count, start).reshape(shape))
                 if count * dtype.itemsize <= self.copy_upto:
                     view = view.clone()
             if requires_grad:
@@ -863,7 +890,7 @@ class _SlotUnpickler(pickle.Unpickler):
             return view
         if kind == "w":
             _, storage_pid, dtype, shape, stride, storage_offset, requires_grad = pid
-            storage = self.persistent_load(storage_pid)  # one storage for all its tensors
+            storage = self.load_once(storage_pid)  # one storage for all its tensors
             extent = 1 + sum((n - 1) * s for n, s in zip(shape, stride))
             if (type(storage) is not torch.UntypedStorage or min(stride, default=0) < 0 or storage_offset < 0
                     or (storage_offset + extent) * dtype.itemsize > storage.nbytes()):
@@ -901,9 +928,24 @@ class _SlotUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"unknown leaf kind {kind!r} in a slot descriptor")
 
 
+class _SlotUnpickler(pickle.Unpickler):
+    def __init__(self, descriptor: bytes, reader: _LeafReader):
+        super().__init__(io.BytesIO(descriptor))
+        self.persistent_load = reader.load_once
+
+
 def read_batch(lease: _ring.SlotLease, descriptor: bytes, payload_end: int, copy_upto: int = 0):
     """Rebuild the batch from its descriptor, every array leaf a view that keeps `lease` alive,
     but those of at most `copy_upto` bytes, copies (NOTE [ Small leaves are copies ])."""
-    batch = _SlotUnpickler(descriptor, lease, payload_end, copy_upto).load()
+    pid = _ONE_LEAF_READS.get(descriptor)
+    if pid is not None:  # NOTE [ Reading a one-leaf batch ]
+        return _LeafReader(lease, payload_end, copy_upto).load(pid)
+    reader = _LeafReader(lease, payload_end, copy_upto)
+    batch = _SlotUnpickler(descriptor, reader).load()
     torch_private.validate_loaded_sparse_tensors()
+    loaded = list(reader.loaded.values())
+    if len(loaded) == 1 and loaded[0][1] is batch and type(loaded[0][0]) is tuple and loaded[0][0][0] in _ONE_LEAF_KINDS:
+        if len(_ONE_LEAF_READS) >= _ONE_LEAF_CACHE_SIZE:
+            _ONE_LEAF_READS.clear()
+        _ONE_LEAF_READS[descriptor] = loaded[0][0]
     return batch

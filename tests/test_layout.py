@@ -352,3 +352,77 @@ def test_a_one_leaf_stacking_problem_still_names_the_shapes():
     leaf = layout.collate_into_slot([np.zeros((2, 3)), np.zeros((3, 2))])
     with pytest.raises(BatchShapeError, match=r"cannot stack samples at batch"):
         layout.plan_batch(leaf)
+
+
+# -- NOTE [ Reading a one-leaf batch ]: read_batch's shortcut gives the unpickler's batch ------------
+
+
+def _one_leaf_reads():
+    rows = [np.full((3, 5), i, np.int16) for i in range(4)]
+    return {
+        **{f"numpy {np.dtype(t)}": (np.arange(12) % 3).astype(t).reshape(3, 4) for t in NUMPY_DTYPES},
+        **{f"tensor {t}": layout.collate_into_slot([torch.arange(6).to(t).reshape(2, 3)] * 3) for t in TORCH_DTYPES},
+        "plain tensor": torch.arange(12.0).reshape(3, 4),
+        "Fortran": np.asfortranarray(np.arange(12.0).reshape(3, 4)),
+        "0-d tensor": torch.tensor(3.5),
+        "0-d array": np.array(7),
+        "empty": np.zeros((0, 3)),
+        "stacked rows": layout.collate_into_slot(rows),
+        "large tensor": layout.collate_into_slot([torch.full((64, 64), float(i)) for i in range(8)]),
+        "large array": np.arange(64 * 1024, dtype=np.float32).reshape(64, 1024),
+    }
+
+
+def _read_twice(leaf, copy_upto: int):
+    """Write `leaf` once, read it twice from two leases (the second read takes the shortcut)."""
+    plan = layout.plan_batch(leaf)
+    segment = create_segment(plan.total_bytes, 0)
+    layout.write_batch(segment, plan)
+    descriptor = segment.read(plan.descriptor_offset, len(plan.descriptor))
+    released: list = []
+    reads = [layout.read_batch(SlotLease(segment, 3, 0, 7, released.append), descriptor, plan.total_bytes,
+                               copy_upto) for _ in range(2)]
+    return reads, descriptor, released, segment
+
+
+@pytest.mark.parametrize("copy_upto", [0, layout.SMALL_LEAF_BYTES])
+@pytest.mark.parametrize("name", list(_one_leaf_reads()))
+def test_a_one_leaf_batch_read_by_the_shortcut_is_the_unpicklers(name, copy_upto):
+    leaf = _one_leaf_reads()[name]
+    layout._ONE_LEAF_READS.clear()
+    (first, second), descriptor, released, segment = _read_twice(leaf, copy_upto)
+    want = torch.stack([torch.as_tensor(r) for r in leaf.rows]) if isinstance(leaf, layout.StackedLeaf) else leaf
+    for batch in (first, second):
+        assert type(batch) is type(first)
+        assert_same(batch, pickle.loads(pickle.dumps(want)) if isinstance(want, np.ndarray) else want)
+        if isinstance(batch, torch.Tensor):
+            assert batch.stride() == first.stride() and batch.storage_offset() == 0 and not batch.requires_grad
+    if nbytes_of(first):
+        assert layout._ONE_LEAF_READS.get(descriptor) is not None, "the descriptor was not remembered"
+        in_slot = segment.address <= address_of(second) < segment.address + segment.size
+        assert in_slot == (nbytes_of(second) > copy_upto)  # a view, or a copy of a small leaf
+    del first, second, batch, segment
+    gc.collect()
+    assert released == [(3, 0), (3, 0)]
+
+
+def test_the_shortcut_still_refuses_a_leaf_past_the_payload_end():
+    layout._ONE_LEAF_READS.clear()
+    plan = layout.plan_batch(np.arange(1000.0))
+    segment = create_segment(plan.total_bytes, 0)
+    layout.write_batch(segment, plan)
+    descriptor = segment.read(plan.descriptor_offset, len(plan.descriptor))
+    lease = SlotLease(segment, 0, 0, 0, None)
+    assert layout.read_batch(lease, descriptor, plan.total_bytes)[999] == 999.0
+    assert descriptor in layout._ONE_LEAF_READS
+    with pytest.raises(SlotProtocolError, match="lies outside the slot's payload"):
+        layout.read_batch(lease, descriptor, HEADER_BYTES + 8000 - 8)
+    del lease, segment
+
+
+def test_batches_of_more_than_one_leaf_are_never_read_by_the_shortcut():
+    layout._ONE_LEAF_READS.clear()
+    shared = torch.arange(10.0)
+    for structure in ({"x": np.ones(3)}, [torch.ones(3)], (shared[:4], shared[4:]), torch.eye(3).to_sparse()):
+        _read_twice(structure, 0)
+    assert layout._ONE_LEAF_READS == {}
