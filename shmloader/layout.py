@@ -98,6 +98,15 @@ for _name in ("uint16", "uint32", "uint64"):
         _NUMPY_TO_TORCH[np.dtype(_name)] = getattr(torch, _name)
 
 
+def is_masked_array(obj) -> bool:
+    """Whether `obj` is a numpy MaskedArray itself (not a subclass).  Without touching `np.ma`,
+    which imports numpy.ma on first use: about 9 ms of CPU, paid by every worker in its first
+    batch where the main process had not imported it (8 workers on 2 cores: about 36 ms of the
+    first batch).  A masked array exists only once numpy.ma is imported."""
+    ma = sys.modules.get("numpy.ma")
+    return ma is not None and type(obj) is ma.MaskedArray
+
+
 def _describe(leaf) -> str:
     if isinstance(leaf, torch.Tensor):
         return f"{str(leaf.dtype).removeprefix('torch.')}{list(leaf.shape)}"
@@ -310,7 +319,10 @@ def _unpickled_dtype(dtype: np.dtype, how: str) -> np.dtype:
     order into the native one (values kept) below protocol 5, and for masked or non-contiguous
     arrays at any protocol.  `how`: "contiguous", "strided" or "masked"."""
     probe = np.zeros(3, dtype)
-    probe = {"contiguous": probe[:1], "strided": probe[::2], "masked": np.ma.MaskedArray(probe[:1])}[how]
+    if how == "masked":  # (np.ma only for a masked array: is_masked_array)
+        probe = np.ma.MaskedArray(probe[:1])
+    else:
+        probe = {"contiguous": probe[:1], "strided": probe[::2]}[how]
     return pickle.loads(ForkingPickler.dumps(probe)).dtype
 
 
@@ -476,7 +488,7 @@ class _Planner(pickle.Pickler):
     def _array_subclass(self, obj: np.ndarray):
         """A masked array as two leaves (data and mask, in the data's memory order as numpy's
         pickle has them); any other ndarray subclass pickles itself, as under torch."""
-        if type(obj) is not np.ma.MaskedArray or obj.dtype.hasobject or obj._baseclass is not np.ndarray:
+        if not is_masked_array(obj) or obj.dtype.hasobject or obj._baseclass is not np.ndarray:
             return None
         data = obj.data
         if data.dtype.byteorder == _SWAPPED:

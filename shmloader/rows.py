@@ -314,9 +314,11 @@ def _plain_array(obj):
     """What torch's default_collate stacks of a numpy subclass: a memmap is the ndarray it is, a
     masked array its data (torch.as_tensor ignores the mask); anything else as it is."""
     kind = type(obj)
+    if kind is np.ndarray:
+        return obj
     if kind is np.memmap:
         return obj.view(np.ndarray)
-    if kind is np.ma.MaskedArray and obj._baseclass is np.ndarray:
+    if layout.is_masked_array(obj) and obj._baseclass is np.ndarray:
         return obj.data
     return obj
 
