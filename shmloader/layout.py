@@ -812,7 +812,10 @@ def small_leaf_limit(slot_bytes: int) -> int:
 #   plain tensor leaf whose dtype numpy has is made with torch.from_numpy of the slot's numpy
 #   view, one call into torch where frombuffer(...).view(shape) is two: at 1 MiB, with the
 #   caches cold after each wake-up, reading a tensor batch took about 28 µs of the training
-#   process's CPU against 13 µs for the same batch as a numpy array.
+#   process's CPU against 13 µs for the same batch as a numpy array.  Every tensor leaf is a
+#   tensor of its own over the slot's storage, never a view of another (a dtype numpy lacks,
+#   a strided leaf: set_ on the storage), as torch's unpickled tensors are: a view refuses
+#   detach_() ("Can't detach views in-place") and records other autograd nodes.
 
 _NUMPY_DTYPE = {getattr(torch, name): np.dtype(name) for name in (
     "bool", "uint8", "int8", "int16", "int32", "int64", "float16", "float32", "float64",
@@ -866,8 +869,9 @@ class _LeafReader:
                 view = torch.empty(shape, dtype=dtype)
             else:
                 numpy_dtype = _NUMPY_DTYPE.get(dtype)
-                if numpy_dtype is None:
-                    view = torch.frombuffer(self.lease, dtype=dtype, count=count, offset=start).view(shape)
+                if numpy_dtype is None:  # a tensor of its own over the storage, not a view (as torch's)
+                    flat = torch.frombuffer(self.lease, dtype=dtype, count=count, offset=start)
+                    view = torch.empty(0, dtype=dtype).set_(flat.untyped_storage(), 0, shape)
                 else:  # one call into torch (NOTE [ Reading a one-leaf batch ])
                     view = torch.from_numpy(np.frombuffer(self.lease, numpy_dtype, count, start).reshape(shape))
                 if count * dtype.itemsize <= self.copy_upto:
@@ -896,7 +900,7 @@ class _LeafReader:
             span = torch.frombuffer(self.lease, dtype=dtype, count=extent, offset=start)
             if extent * dtype.itemsize <= self.copy_upto:
                 span = span.clone()
-            view = span.as_strided(shape, stride)
+            view = torch.empty(0, dtype=dtype).set_(span.untyped_storage(), 0, shape, stride)  # not a view
             if requires_grad:
                 view.requires_grad_(True)
             return view

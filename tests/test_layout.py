@@ -426,3 +426,23 @@ def test_batches_of_more_than_one_leaf_are_never_read_by_the_shortcut():
     for structure in ({"x": np.ones(3)}, [torch.ones(3)], (shared[:4], shared[4:]), torch.eye(3).to_sparse()):
         _read_twice(structure, 0)
     assert layout._ONE_LEAF_READS == {}
+
+
+@pytest.mark.parametrize("name", ["torch dtypes", "non-contiguous", "conj and neg", "nested"])
+def test_no_tensor_leaf_is_a_view_of_another(name):
+    """As torch's unpickled tensors: a view would refuse detach_() ("Can't detach views
+    in-place"); the one-leaf batches of every dtype too, copied or not."""
+    structures = [_structures()[name]]
+    if name == "torch dtypes":
+        structures += [layout.collate_into_slot([torch.arange(4096).to(t).reshape(64, 64)] * 4) for t in TORCH_DTYPES]
+        structures += [torch.arange(4096).to(t).reshape(64, 64)[:, ::2] for t in TORCH_DTYPES]
+    for structure in structures:
+        for _ in range(2):  # the second read of a one-leaf batch takes NOTE [ Reading a one-leaf batch ]
+            batch, released, segment = _write(structure)
+            for leaf in array_leaves(batch):
+                if isinstance(leaf, torch.Tensor):
+                    assert not leaf._is_view() and leaf._base is None, (name, leaf.dtype, leaf.shape)
+                    leaf.detach_()
+            del batch, leaf, segment
+            gc.collect()
+            assert released == [(3, 0)]
