@@ -33,6 +33,7 @@ An error that shuts the iterator down leaves it broken: NOTE [ Shutdown ] in poo
 from __future__ import annotations
 
 import collections
+import dataclasses
 import itertools
 import os
 import time
@@ -96,7 +97,10 @@ class LoaderStats:
     the slot ] in samples_in_slot.py); prefetched_next_epoch / forecast_misses: batches fetched across
     an epoch's end and kept, and epochs whose forecast was wrong (NOTE [ Cross-epoch prefetch ]
     in epochs.py); timing: where the time goes and the verdict (diagnosis.py;
-    None with SHMLOADER_TIMING=0).  print() it for a table, as_dict() for logging."""
+    None with SHMLOADER_TIMING=0).  After an epoch (workers stopped, ring closed), the epoch's
+    figures, ring_bytes as the epoch left it, but held_segments, held_bytes, reserved_bytes and
+    in_use_bytes as they are now: only the batches still held reserve memory then.  print() it
+    for a table, as_dict() for logging."""
 
     ring_slots: int
     slot_bytes: int
@@ -194,6 +198,7 @@ class ShmDataLoader(DataLoader[_T_co]):
             check_loader(self)  # a clear error now for what this mode cannot do
         self._last_iterator: weakref.ref | None = None
         self._final_stats: LoaderStats | None = None
+        self._final_ring: Ring | None = None  # the latest iterator's, closed: what its batches still hold
         self._timing = timing_enabled()  # NOTE [ Stage clocks ] in timing.py
 
     # NOTE [ A process forked by the user ]
@@ -233,7 +238,7 @@ class ShmDataLoader(DataLoader[_T_co]):
         link to this loader's latest iterator (unpicklable) nor its figures: a copy has no
         iterator yet, and stats() is None until it has one."""
         fields = self.__dict__.copy()
-        fields["_last_iterator"] = fields["_final_stats"] = None
+        fields["_last_iterator"] = fields["_final_stats"] = fields["_final_ring"] = None
         return fields
 
     def state_dict(self) -> dict:
@@ -261,7 +266,13 @@ class ShmDataLoader(DataLoader[_T_co]):
         iterator = self._last_iterator() if self._last_iterator is not None else None
         if iterator is not None and not iterator._shutdown:
             return iterator.stats()
-        return self._final_stats
+        if self._final_stats is None or self._final_ring is None:
+            return self._final_stats
+        # the epoch's figures; the workers and the ring are gone, and what the batches you still
+        # hold keep is counted now (they go as you drop them)
+        now = self._final_ring.stats()
+        return dataclasses.replace(self._final_stats, held_segments=now.held_segments, held_bytes=now.held_bytes,
+                                   in_use_bytes=now.in_use_bytes, reserved_bytes=now.reserved_bytes)
 
 
 # What a LoaderTimeoutError adds: torch's iterator survives its timeout, and so does ours.
@@ -452,6 +463,7 @@ class _PoolIter(torch_private.BaseDataLoaderIter):
                     loader = self._loader_ref()
                     if loader is not None:
                         loader._final_stats = self.stats()
+                        loader._final_ring = self._ring
 
     def __del__(self) -> None:
         try:

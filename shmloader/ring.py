@@ -531,11 +531,13 @@ class Ring:
             if self._closed:
                 return
             self._closed = True
+            _RINGS.discard(self)
             self._spares.close()
             for slot, segment in enumerate(self._segments):
                 if segment is not None:
                     if self._states[slot] == _LEASED:  # held past the ring's end, never reused now
-                        _keep_only_the_batch(segment, self._leased_ends[slot])
+                        # counted as held from now on (stats() after the epoch: what is held now)
+                        self._held_segments[segment] = _keep_only_the_batch(segment, self._leased_ends[slot])
                     segment.close_fd()
             self._segments = [None] * len(self._segments)
             self._free.clear()

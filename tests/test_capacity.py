@@ -11,6 +11,7 @@ Tested for real inside a private mount namespace (`unshare -m`) over a 16 MiB tm
 from __future__ import annotations
 
 import functools
+import gc
 import json
 import os
 import shutil
@@ -196,6 +197,8 @@ def test_small_parts_of_batches_held_by_the_loop_hold_no_slot():
         if i < 2:
             images.append(batch["image"])  # 2 MiB a batch: views, each holding its slot
     assert torch.cat(labels).tolist() == list(range(len(Labelled())))
+    del batch  # the loop's variable: the last batch, whole
+    gc.collect()
     stats = loader.stats()
     assert stats.detached > 0 and stats.held_segments <= 2, stats
     assert images[1][3, 0, 0].item() == 11.0

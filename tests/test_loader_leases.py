@@ -83,7 +83,11 @@ def test_dropped_batches_free_their_slots_and_the_ring_stays_small():
         assert int(batch[0, 0]) == 2 * i
     stats = shm.stats()
     assert stats.batches == 60
-    assert stats.detached == 0 and stats.held_segments == 0 and stats.ring_slots == DEPTH, stats
+    # `batch` still holds the last one (held now, the ring being gone); nothing was detached
+    assert stats.detached == 0 and stats.held_segments == 1 and stats.ring_slots == DEPTH, stats
+    del batch
+    gc.collect()
+    assert shm.stats().held_segments == 0
 
 
 class _RowsOfOnes(torch.utils.data.Dataset):
@@ -321,3 +325,26 @@ def test_last_batch_larger_than_the_first():
     sampler = [[0], [1], [2], [3, 4, 5, 6, 7, 8]]  # the last batch is 6x the first
     shm = ShmDataLoader(dataset, batch_sampler=sampler, num_workers=WORKERS)
     assert_same_batches(collect(shm), collect(DataLoader(dataset, batch_sampler=sampler)))
+
+
+@pytest.mark.parametrize("sample_parallel", [False, True])
+def test_stats_after_the_epoch_count_the_batches_still_held(sample_parallel):
+    """After the epoch the workers and the ring are gone: stats() keeps the epoch's figures, but
+    held_segments / held_bytes / reserved_bytes / in_use_bytes say what the batches you still
+    hold keep now, and fall to nothing once you drop them (found by a new-user check: they
+    stayed at their end-of-epoch values)."""
+    shm = ShmDataLoader(ds.ArrayDataset(n=64, nbytes=64 * 1024), batch_size=4, num_workers=WORKERS,
+                        sample_parallel=sample_parallel)
+    held = list(shm)
+    assert len(held) == 16
+    stats = shm.stats()
+    assert stats.held_segments == 16 and stats.held_bytes >= 16 * 4 * 64 * 1024, stats
+    assert stats.reserved_bytes == stats.in_use_bytes == stats.held_bytes, stats
+    del held[::2]
+    gc.collect()
+    assert shm.stats().held_segments == 8
+    del held
+    gc.collect()
+    stats = shm.stats()
+    assert (stats.held_segments, stats.held_bytes, stats.reserved_bytes, stats.in_use_bytes) == (0, 0, 0, 0), stats
+    assert stats.batches == 16 and stats.ring_slots > 0
