@@ -42,11 +42,18 @@ NOTE [ Samples born in the slot ]
   arena that a custom collate_fn runs in (NOTE [ One copy for a numpy collate_fn ] in worker.py)
   is a bump allocator over the slot; fetching the samples inside it too makes their arrays the
   batch's leaves in place.  But a collate_fn that makes new arrays (np.stack) would then find
-  the arena full of samples and its own result on the heap, so a worker first watches its first
-  LEARN_BATCHES batches, fetched as usual: if at least half of a batch's bytes are the samples'
-  own arrays, copied, it fetches into the arena from then on (and gives the heap memory the
-  watched batches took back: heap.py); if a batch fetched so finds less than half of what the
-  arena handed out in place (the collate_fn changed), it stops for good.  A batch whose arena
+  the arena full of samples and its own result on the heap, copied once more.  So a worker first
+  watches its first LEARN_BATCHES batches, fetched as usual: if at least half of a batch's bytes
+  are the samples' own arrays, copied, it fetches into the arena from then on (and gives the
+  heap memory the watched batches took back: heap.py); if a batch fetched so finds less than
+  half of what the arena handed out in place (the collate_fn changed), it stops for good.
+  Watching cost every worker's first batch a batch of heap and a copy, on the path of the first
+  batch (at 8 workers of seed001, 8 batches of heap at once beside the slots: 2.5 GB at the
+  peak where 1.9 GB otherwise, and the first batch 0.2 s later).  A collate_fn whose code is
+  `return` of its argument (`lambda batch: batch`, the forum's `def collate_fn(records): return
+  records`: `returns_its_argument`) needs no watching: its workers fetch in the arena from the
+  first batch, whose slot, before the ring knows its size, sample 0 sizes
+  (worker.records_slot_guess, from GUESS_MIN_BYTES up).  Any other collate_fn is watched.  A batch whose arena
   holds more than the slot can lay out (dead temporaries) is laid out from the slot's start, what
   lies in the slot copied out first, never by growing the slot.  Slots made for a custom
   collate_fn are the compact batch plus worker.arena_slack: a block prefix per large leaf and a
@@ -61,7 +68,9 @@ NOTE [ Samples born in the slot ]
 
 from __future__ import annotations
 
+import dis
 import os
+import types
 from dataclasses import dataclass
 
 import numpy as np
@@ -170,41 +179,79 @@ class SamplesInSlot:
         return kept
 
 
+def returns_its_argument(function) -> bool:
+    """Whether `function` is plain Python code that only returns its first argument (`lambda
+    batch: batch`): then it passes the samples through, whatever they are, and does nothing else."""
+    code = getattr(function, "__code__", None)
+    if code is None or not isinstance(function, types.FunctionType) or code.co_argcount < 1:
+        return False
+    ops = [(op.opname, op.argval) for op in dis.get_instructions(function)
+           if op.opname not in ("RESUME", "NOP", "CACHE")]
+    return (len(ops) == 2 and ops[0][0].startswith("LOAD_FAST") and ops[0][1] == code.co_varnames[0]
+            and ops[1][0] == "RETURN_VALUE")
+
+
 class SamplesInArena:
     """The same for a custom collate_fn that passes the samples' arrays through (returns the
     records, or a structure of them): fetch the samples inside the collate_fn's slot arena
     (NOTE [ One copy for a numpy collate_fn ] in worker.py), so that those arrays are born where
     the batch is laid out (NOTE [ Samples born in the slot ], "A custom collate_fn")."""
 
-    def __init__(self, iterable: bool):
+    def __init__(self, iterable: bool, slot_guess):
+        """`slot_guess(sample 0, batch size)`: slot bytes for a first batch fetched in the arena
+        before the ring knows its slot size, or 0 (too small to be worth it)."""
         self.iterable = iterable
+        self.slot_guess = slot_guess
         self.on = False
         self.heap_to_release = False
+        self.enabled = os.environ.get("SHMLOADER_SLOT_ARENA", "1") != "0"
+        self.first_in_arena = False  # the next batch is the first fetched in the arena, unwatched
         # batches left to watch for arrays passed through (none when the arena is switched off)
-        self.watching = LEARN_BATCHES if os.environ.get("SHMLOADER_SLOT_ARENA", "1") != "0" else 0
+        self.watching = LEARN_BATCHES if self.enabled else 0
         self._reset()
 
     def _reset(self) -> None:
         self.grant = None
         self.arena = None  # the slot arena the samples were fetched in (the collate_fn's too)
         self.fresh = None
+        self.guessed = False  # `fresh` was sized by `slot_guess`, not by the ring
+
+    def known_to_pass_through(self, collate_fn) -> None:
+        """Fetch in the arena from the first batch when `collate_fn` returns its argument."""
+        if self.enabled and returns_its_argument(collate_fn):
+            self.on, self.first_in_arena, self.watching = True, True, 0
 
     def wanted(self, fetcher) -> bool:
         return self.on and torch_private.fetches_one_by_one(fetcher)
 
     def fetch(self, worker, index) -> list:
         """The samples of `index`, as torch's fetcher returns them, fetched in the slot arena of
-        a grant in hand (polled before each sample until one is)."""
+        a grant in hand (polled before each sample until one is).  For the first batch, sample 0
+        is fetched first and sizes the slot when the ring does not know its size yet."""
         self._reset()
-        last = len(index) - 1 if self.iterable else len(index)
+        first, self.first_in_arena = self.first_in_arena, False
+        size = len(index)
+        last = size - 1 if self.iterable else size
+        guess = None  # the first batch's slot size, once sample 0 is in (0: too small to bother)
 
         def around_sample(k: int, fetched: list):
-            if k >= last:
+            nonlocal guess
+            if k >= last or guess == 0:
                 return None  # (an iterable's last sample: see "Caches" in the NOTE)
             if self.grant is None:
+                if first:
+                    if k == 0:
+                        return None
+                    if guess is None:
+                        guess = self.slot_guess(fetched[0], size)
+                        if guess == 0:
+                            return None
                 self.grant = worker.grant_now()
                 if self.grant is not None:
-                    self.arena, self.fresh = worker.slot_arena(self.grant)
+                    _, _, capacity, hint = self.grant
+                    known = capacity or hint
+                    self.arena, self.fresh = worker.slot_arena(self.grant, 0 if known else guess or 0)
+                    self.guessed = self.fresh is not None and not known
             return self.arena
 
         return torch_private.fetch_each(worker.fetcher, index, around_sample)

@@ -132,6 +132,7 @@ ARENA_BLOCK_SLACK = 128
 ARENA_MARGIN = 128
 ARENA_TEMPORARIES_MAX = 64 * 1024
 DESCRIPTOR_ROOM = 4096  # a guessed slot's room for the header and the descriptor
+DESCRIPTOR_BYTES_PER_LEAF = 128  # and per leaf of a batch of records
 
 
 def first_slot_guess(samples) -> int:
@@ -148,6 +149,18 @@ def first_slot_guess(samples) -> int:
         return 0
     per_sample = -(-arrays // max(1, len(samples)))  # a stacked batch's leaves
     return nbytes + ARENA_BLOCK_SLACK * (per_sample + 1) + ARENA_TEMPORARIES_MAX + DESCRIPTOR_ROOM
+
+
+def records_slot_guess(sample, batch_size: int) -> int:
+    """The slot bytes for `batch_size` samples like `sample` fetched in the arena and passed
+    through by the collate_fn (NOTE [ Samples born in the slot ] in samples_in_slot.py): every
+    array a block of its own, each leaf a line of the descriptor; 0 under GUESS_MIN_BYTES."""
+    arrays = sum(1 for _, leaf in layout.iter_leaves(sample)
+                 if type(leaf) is np.ndarray or (type(leaf) is torch.Tensor and layout.is_plain_strided(leaf)))
+    guess = first_slot_guess([sample] * batch_size)
+    if not guess:
+        return 0
+    return guess + (ARENA_BLOCK_SLACK + DESCRIPTOR_BYTES_PER_LEAF) * arrays * batch_size
 
 
 def arena_slack(plan) -> int:
@@ -311,7 +324,7 @@ class _Worker:
         # NOTE [ Samples born in the slot ] in samples_in_slot.py
         iterable = spec.dataset_kind == torch_private.DatasetKind.Iterable
         self.samples_in_slot = SamplesInSlot(iterable)  # torch's default_collate
-        self.samples_in_arena = SamplesInArena(iterable)  # a collate_fn that passes samples through
+        self.samples_in_arena = SamplesInArena(iterable, records_slot_guess)  # a collate_fn that passes samples through
         self.arena_on = os.environ.get("SHMLOADER_SLOT_ARENA", "1") != "0"
         self.tensor_mode_unused = 0  # batches in a row whose collate_fn built no tensor under the mode
 
@@ -350,6 +363,8 @@ class _Worker:
         stage = self._enter(UNPICKLING)
         try:
             self.dataset, self.collate_fn, init_fn = spec.payload.load()
+            if spec.collate_mode == COLLATE_CUSTOM:
+                self.samples_in_arena.known_to_pass_through(self.collate_fn)
             torch_private.set_worker_info(spec.worker_id, spec.num_workers, seed, self.dataset)
             stage = self._enter(INIT_FN)
             if init_fn is not None:
@@ -518,7 +533,7 @@ class _Worker:
                     finally:
                         grant, fresh = in_slot.grant, in_slot.fresh  # this task's, whatever happens
                         if spec.collate_mode == COLLATE_CUSTOM:
-                            arena = in_slot.arena
+                            arena, guessed = in_slot.arena, in_slot.guessed
                 else:
                     samples = self.fetcher.fetch(index)
             except StopIteration:

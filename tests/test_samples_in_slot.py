@@ -471,3 +471,83 @@ def copy_of(batch):
     import copy
 
     return copy.deepcopy(batch)
+
+
+# -- a collate_fn that returns its argument: no watching ---------------------------------------------
+
+BIG_SHAPE = (512, 768)  # 3 MiB a sample: a batch of 4 is above worker.GUESS_MIN_BYTES
+
+
+identity_lambda = lambda samples: samples  # noqa: E731  (as users write it)
+
+
+def _records_with_a_default(samples, unused=None):
+    return samples
+
+
+def _returns_a_list(samples):
+    return list(samples)
+
+
+def _sorts_then_returns(samples):
+    samples.sort(key=len)
+    return samples
+
+
+def _returns_the_second(first, second=None):
+    return second
+
+
+@pytest.mark.parametrize("function, expected", [
+    (records, True), (identity_lambda, True), (_records_with_a_default, True),
+    (_returns_a_list, False), (_sorts_then_returns, False), (_returns_the_second, False),
+    (keyed, False), (np_stack, False), (list, False), (lambda: None, False),
+])
+def test_returns_its_argument(function, expected):
+    from shmloader.samples_in_slot import returns_its_argument
+
+    assert returns_its_argument(function) is expected
+
+
+class BigMade(Made):
+    def __getitem__(self, i):
+        time.sleep(self.fetch_s)
+        return _values(i, BIG_SHAPE)
+
+
+class BigCaching(BigMade):
+    def __init__(self, n):
+        super().__init__(n)
+        self.cache = {}
+
+    def __getitem__(self, i):
+        if i not in self.cache:
+            self.cache[i] = super().__getitem__(i)
+        return self.cache[i]
+
+
+@pytest.mark.parametrize("collate_fn", [records, identity_lambda])
+def test_a_collate_fn_returning_its_argument_gets_the_first_batch_born_in_the_slot(collate_fn):
+    """One batch per worker: with a collate_fn that returns its argument the samples after sample
+    0 are born in the slot from the first batch on (nothing watched on the heap), where a
+    collate_fn that passes them through in a new list has its first batches watched, copied."""
+    sample_bytes = int(np.prod(BIG_SHAPE)) * 8
+    got, in_place, want = _run(BigMade(8), batch_size=4, collate_fn=collate_fn)
+    assert_same_batches(got, want)
+    # Each worker's one batch: samples 1-3 in place once its slot grant is in hand (at once, but
+    # asked for before each sample, never waited for: on a loaded machine it may come late).
+    assert 0 < in_place <= 2 * 3 * sample_bytes and in_place % sample_bytes == 0
+    got, in_place, want = _run(BigMade(8), batch_size=4, collate_fn=_returns_a_list)
+    assert_same_batches(got, want)
+    assert in_place == 0
+
+
+def test_a_cache_of_first_batch_samples_born_in_the_slot_stays_intact():
+    """The dataset keeps every sample it returns, the first batch's born in its slot included:
+    those slots are left to the cache (the batch moved), and later epochs still return them."""
+    kwargs = dict(batch_size=4, num_workers=2, persistent_workers=True, collate_fn=records)
+    loader = ShmDataLoader(BigCaching(16), max_ring_slots=3, **kwargs)
+    reference = DataLoader(BigCaching(16), **kwargs)
+    for _ in range(3):
+        assert_same_batches(collect(loader), collect(reference))
+    del loader, reference
