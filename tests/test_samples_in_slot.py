@@ -551,3 +551,24 @@ def test_a_cache_of_first_batch_samples_born_in_the_slot_stays_intact():
     for _ in range(3):
         assert_same_batches(collect(loader), collect(reference))
     del loader, reference
+
+
+class Uneven(Dataset):
+    """Samples whose sizes differ from sample 0's: the first batch's slot, sized by sample 0, is
+    too small ("grows") or far too large ("shrinks") for the samples after it."""
+
+    def __init__(self, how: str, n: int = 12):
+        self.how, self.n = how, n
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        rows = {"grows": 384 + 256 * (i % 4), "shrinks": 512 if i % 4 == 0 else 8}[self.how]
+        return {"x": _values(i, (rows, 768)), "id": i}
+
+
+@pytest.mark.parametrize("how", ["grows", "shrinks"])
+def test_a_first_batch_in_the_arena_unlike_its_sample_0_is_still_torchs(how):
+    got, _, want = _run(Uneven(how), batch_size=4, collate_fn=records)
+    assert_same_batches(got, want)
