@@ -48,8 +48,8 @@ NOTE [ Samples born in the slot ]
   heap memory the watched batches took back: heap.py); if a batch fetched so finds less than
   half of what the arena handed out in place (the collate_fn changed), it stops for good.
   Watching cost every worker's first batch a batch of heap and a copy, on the path of the first
-  batch (at 8 workers of seed001, 8 batches of heap at once beside the slots: 2.5 GB at the
-  peak where 1.9 GB otherwise, and the first batch 0.2 s later).  A collate_fn whose code is
+  batch (at 8 workers of seed001, 8 batches of heap at once beside the slots: in a probe, 2.5
+  GB at the peak where 1.9 GB otherwise, and the first batch 0.2 s later).  A collate_fn whose code is
   `return` of its argument (`lambda batch: batch`, the forum's `def collate_fn(records): return
   records`: `returns_its_argument`) needs no watching: its workers fetch in the arena from the
   first batch, whose slot, before the ring knows its size, sample 0 sizes
