@@ -14,7 +14,7 @@ debug = os.environ.get("SHMLOADER_DEBUG") == "1"
 ring = Extension(
     "shmloader._ring",
     sources=["csrc/_ring.pyx"],
-    depends=["csrc/ring.h", "csrc/ring.pxd", "csrc/arena.h"],
+    depends=["csrc/ring.h", "csrc/ring.pxd", "csrc/arena.h", "csrc/copy.h"],
     include_dirs=["csrc", numpy.get_include()],
     extra_compile_args=["-O0", "-g"] if debug else ["-O3"],
     define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")]

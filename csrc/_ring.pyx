@@ -19,7 +19,7 @@ from libc.string cimport memcpy
 from posix.unistd cimport close
 
 from ring cimport (
-    PyDataMem_SetHandler, SHM_ARENA_ALIGN, _import_array, shm_arena, shm_arena_handler,
+    PyDataMem_SetHandler, SHM_STREAM_MIN_BYTES, shm_copy, SHM_ARENA_ALIGN, _import_array, shm_arena, shm_arena_handler,
     shm_arena_open, shm_arena_unlink_and_free, shm_arenas,
     SHM_HEADER_BYTES, SHM_LEAF_ALIGN, SHM_SLOT_FREE, SHM_SLOT_LEASED, SHM_SLOT_MAGIC,
     SHM_SLOT_READY, SHM_SLOT_VERSION, SHM_SLOT_WRITING, shm_discard, shm_map, shm_reserve,
@@ -37,6 +37,7 @@ FREE = SHM_SLOT_FREE
 WRITING = SHM_SLOT_WRITING
 READY = SHM_SLOT_READY
 LEASED = SHM_SLOT_LEASED
+STREAM_MIN_BYTES = SHM_STREAM_MIN_BYTES  # a leaf this large is copied with streaming stores (copy.h)
 # Rows at least this large are copied with the GIL released (a thread of the worker may run).
 cdef uint64_t ROW_COPY_NOGIL_BYTES = 1 << 20
 
@@ -172,23 +173,26 @@ cdef class Segment:
         return (self._base + offset)[:nbytes]
 
     def copy_from_address(self, uint64_t offset, uintptr_t source, uint64_t nbytes):
-        """memcpy `nbytes` from a raw address (a contiguous array's data) into the slot, GIL released."""
+        """Copy `nbytes` from a raw address (a contiguous array's data) into the slot, GIL
+        released; streaming stores from STREAM_MIN_BYTES (csrc/copy.h)."""
         self._check_range(offset, nbytes)
         cdef char *dst = self._base + offset
         with nogil:
-            memcpy(dst, <const void *>source, nbytes)
+            shm_copy(dst, <const void *>source, nbytes, nbytes)
 
     def copy_rows(self, uint64_t offset, uint64_t row_nbytes, rows, Py_ssize_t start=0):
         """Copy rows[i] to `offset + i * row_nbytes` for i from `start`: the stacked rows of one
         batch leaf (arrays of one dtype and shape), in one call rather than a Python call per row.
         A None row is already in place.  Stops at the first row that is not a C-contiguous buffer
         of exactly `row_nbytes` (a tensor, a strided array) and returns its index, for the caller
-        to copy that row and go on after it; returns len(rows) when every row is copied."""
+        to copy that row and go on after it; returns len(rows) when every row is copied.  A leaf
+        of STREAM_MIN_BYTES or more in all is copied with streaming stores (csrc/copy.h)."""
         cdef Py_ssize_t i, n = len(rows)
         cdef Py_buffer view
         cdef char *dst
         cdef object row
-        self._check_range(offset, row_nbytes * <uint64_t>n)
+        cdef uint64_t leaf_bytes = row_nbytes * <uint64_t>n
+        self._check_range(offset, leaf_bytes)
         for i in range(start, n):
             row = rows[i]
             if row is None:
@@ -205,9 +209,9 @@ cdef class Segment:
             dst = self._base + offset + <uint64_t>i * row_nbytes
             if row_nbytes >= ROW_COPY_NOGIL_BYTES:
                 with nogil:
-                    memcpy(dst, view.buf, row_nbytes)
+                    shm_copy(dst, view.buf, row_nbytes, leaf_bytes)
             else:
-                memcpy(dst, view.buf, row_nbytes)
+                shm_copy(dst, view.buf, row_nbytes, leaf_bytes)
             PyBuffer_Release(&view)
         return n
 

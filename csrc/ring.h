@@ -18,8 +18,8 @@
  *
  * A dead worker's slot is never reset: the loader shuts down and closes the ring when a worker
  * dies (NOTE [ Slot lifecycle ] in shmloader/ring.py).  Array bytes are written before the
- * release-store of READY; the main
- * process reads them after its acquire-load, so no torn batch can be observed.
+ * release-store of READY (a streamed copy, csrc/copy.h, ends with a store fence for that); the
+ * main process reads them after its acquire-load, so no torn batch can be observed.
  */
 #ifndef SHMLOADER_RING_H
 #define SHMLOADER_RING_H

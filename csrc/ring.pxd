@@ -45,6 +45,11 @@ cdef extern from "numpy/arrayobject.h":
     int _import_array() except -1
 
 
+cdef extern from "copy.h" nogil:
+    const uint64_t SHM_STREAM_MIN_BYTES
+    void shm_copy(void *dst, const void *src, size_t n, uint64_t leaf_bytes) noexcept
+
+
 cdef extern from "arena.h":
     ctypedef struct shm_arena:
         char *lo

@@ -10,6 +10,7 @@ FREE: int
 WRITING: int
 READY: int
 LEASED: int
+STREAM_MIN_BYTES: int  # a leaf this large is copied with streaming stores (csrc/copy.h)
 
 def reserve(fd: int, nbytes: int) -> None: ...
 

@@ -14,7 +14,7 @@ import torch
 from torch.utils.data import default_collate
 
 from shmloader import BatchShapeError, LayoutError, SlotProtocolError, layout
-from shmloader._ring import FREE, HEADER_BYTES, LEAF_ALIGN, READY, SlotLease
+from shmloader._ring import FREE, HEADER_BYTES, LEAF_ALIGN, READY, STREAM_MIN_BYTES, SlotLease
 from shmloader.segment import create_segment
 
 from . import _datasets as ds
@@ -189,6 +189,34 @@ def test_copy_rows_stops_at_a_row_it_cannot_copy_whole():
     del written
     with pytest.raises(ValueError, match="outside"):
         segment.copy_rows(4096 - 16, 16, rows)
+
+
+@pytest.mark.parametrize("dst_shift, length_cut", [(0, 0), (1, 0), (7, 13), (15, 63), (64, 1)])
+def test_a_streamed_copy_is_every_byte_with_no_byte_outside(dst_shift, length_cut):
+    """A copy of STREAM_MIN_BYTES or more takes the streaming-store path (csrc/copy.h): its
+    unaligned head, 64-byte body and tail land byte for byte, and the bytes around it stay."""
+    nbytes = STREAM_MIN_BYTES + 4099 - length_cut
+    source = np.random.default_rng(dst_shift).integers(0, 256, nbytes + 3, dtype=np.uint8)[3:]
+    segment = create_segment(HEADER_BYTES + nbytes + 256, 0)
+    view = np.frombuffer(segment, np.uint8)
+    view[:] = 0xA5
+    at = HEADER_BYTES + dst_shift
+    segment.copy_from_address(at, source.__array_interface__["data"][0], nbytes)
+    np.testing.assert_array_equal(view[at:at + nbytes], source)
+    assert (view[:at] == 0xA5).all() and (view[at + nbytes:] == 0xA5).all()
+    del view
+
+
+def test_rows_of_a_leaf_past_the_streaming_size_are_copied_whole():
+    """copy_rows streams every row of a leaf whose rows together reach STREAM_MIN_BYTES, even
+    rows far smaller than that; the batch is default_collate's, byte for byte."""
+    row_items = 4096 * 3 + 5  # a row size that is no multiple of 16 or 64 bytes
+    count = -(-STREAM_MIN_BYTES // (row_items * 4))
+    samples = [np.random.default_rng(k).random(row_items, dtype=np.float32) for k in range(count)]
+    batch, _, segment = _write(layout.collate_into_slot(samples))
+    assert batch.numel() * 4 >= STREAM_MIN_BYTES
+    assert torch.equal(batch, default_collate(samples))
+    del batch, segment
 
 
 # -- errors name the leaf's path ---------------------------------------------------------------------
