@@ -11,7 +11,7 @@ BIN := $(VENV)/bin
 $(BIN)/python:
 	$(PYTHON) -m venv --system-site-packages $(VENV)
 
-$(VENV)/.installed: $(BIN)/python pyproject.toml setup.py csrc/ring.h csrc/ring.pxd csrc/_ring.pyx csrc/arena.h
+$(VENV)/.installed: $(BIN)/python pyproject.toml setup.py csrc/ring.h csrc/ring.pxd csrc/_ring.pyx csrc/arena.h csrc/copy.h
 	$(BIN)/python tools/ensure_torch.py
 	$(BIN)/python -m pip install -q -e ".[test,bench]"
 	touch $@
