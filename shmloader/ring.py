@@ -89,6 +89,7 @@ CONSUMER_SLOTS = 2
 RECENT_PER_SLOT = 1
 RECENT_MIN = 4
 SHRINK_ABOVE = 2
+SPARES_MADE_WAIT_SECONDS = 2.0  # _check_fits: at most this for spares being made
 
 # The main process's view of a slot (the header's state word has WRITING/READY in between).
 _FREE, _DISPATCHED, _LEASED = "free", "granted", "leased"
@@ -193,11 +194,19 @@ class Ring:
         A slot granted to a worker to create, or a spare being made, is counted as missing, yet
         its segment may exist already and be counted in what /dev/shm has used: a ring that fits
         was refused (a 72 MiB ring in an 82 MiB /dev/shm, where torch runs).  So the ring is
-        refused only if it cannot fit even were all those segments made; if it fits only then,
-        it is checked again at the next adoption (a worker whose segment does not fit meanwhile
-        says so with its batch)."""
+        refused only if it cannot fit even were all those segments made.  If it fits only then,
+        the answer waits for the spares being made (this process's own, made in a millisecond or
+        so), and the check runs again at every adoption and every batch leased until it is sure:
+        one inconclusive check followed by none left a ring that could never be made whole
+        running on, its fate decided by which thread won (a CI failure)."""
         if self.slot_bytes is None or self._fits:
             return
+        if self._fits_unsure() and self._spares.wait_made(SPARES_MADE_WAIT_SECONDS):
+            self._fits_unsure()  # the spares made since are counted as made now
+
+    def _fits_unsure(self) -> bool:
+        """One check of _check_fits: raises if the ring surely cannot fit, sets `_fits` if it
+        surely does, and says whether the answer depends on segments on their way."""
         allocated = self.segments()
         missing = self.depth - len(allocated)
         needed = missing * self.slot_bytes
@@ -211,6 +220,7 @@ class Ring:
                 total, free + sum(s.size for s in allocated), shm_segment.SHM_DIR,
                 f"the ring ({self.depth} slots of {self.slot_bytes} bytes)",
             )
+        return not self._fits
 
     @property
     def depth(self) -> int:
@@ -401,6 +411,7 @@ class Ring:
     def lease(self, slot: int, sequence: int, on_release) -> tuple[_ring.SlotLease, bytes, int]:
         """Validate a slot a worker reported ready for batch `sequence`; returns its lease, the
         descriptor bytes and the payload end."""
+        self._check_fits()  # until the ring is known to fit (a no-op after)
         segment = self._segments[slot]
         if segment is None or self._states[slot] != _DISPATCHED:
             raise SlotProtocolError(f"slot {slot} reported ready but it is {self._states[slot]}")

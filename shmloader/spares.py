@@ -81,6 +81,14 @@ class SpareMaker:
         the lock held, and this thread never woken again."""
         return len(self._ready) + self._making
 
+    def wait_made(self, timeout: float) -> bool:
+        """Wait up to `timeout` seconds until no segment is being made; whether one was."""
+        with self._cond:
+            if not self._making:
+                return False
+            self._cond.wait_for(lambda: not self._making, timeout)
+            return True
+
     def take(self, capacity: int) -> _ring.Segment | None:
         """A ready segment of `capacity` bytes, or None."""
         self.drain_wakeups()
@@ -126,6 +134,7 @@ class SpareMaker:
                 with self._cond:
                     self._making -= 1
                     self.error = exc
+                    self._cond.notify_all()  # wait_made
                 self._wake()
                 return
             with self._cond:
@@ -134,6 +143,7 @@ class SpareMaker:
                     segment.close_fd()
                 else:
                     self._ready.append(segment)
+                self._cond.notify_all()  # wait_made
             del segment  # a segment dropped from the deque must be unmapped at once
             self._wake()
 

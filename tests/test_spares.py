@@ -116,6 +116,28 @@ def test_spare_maker_makes_what_is_wanted_and_closes_cleanly():
     assert not any(t.name == "shmloader-spare-slots" for t in threading.enumerate())
 
 
+def test_wait_made_returns_once_the_segment_being_made_is_ready():
+    """Ring._check_fits waits for a spare being made before it decides whether the ring fits."""
+    started, go = threading.Event(), threading.Event()
+
+    def create(capacity):
+        started.set()
+        go.wait(10)
+        return shmloader.ring.create_segment(capacity, 0)
+
+    maker = SpareMaker(create)
+    try:
+        assert maker.wait_made(0.01) is False  # nothing being made: no wait
+        maker.want(1, 1 << 16)
+        assert started.wait(10)
+        threading.Timer(0.2, go.set).start()
+        assert maker.wait_made(10) is True
+        assert maker.ready_count() == 1 and maker.pending() == 1
+    finally:
+        go.set()
+        maker.close()
+
+
 def test_the_batches_are_torchs():
     """Grants that wait for spares change when workers write, never what they write."""
     kwargs = dict(batch_size=3, num_workers=WORKERS, shuffle=True)
