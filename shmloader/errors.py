@@ -93,6 +93,11 @@ class ShmCapacityError(ShmLoaderError, MemoryError):
         return (type(self), (self.needed, self.free, self.path, self.what))
 
 
+class ShmCapacityWarning(UserWarning):
+    """The whole ring does not fit in the shared-memory filesystem: it is fitted to the room
+    there is, and fewer batches are prefetched (NOTE [ A ring fitted to /dev/shm ] in ring.py)."""
+
+
 class LayoutError(ShmLoaderError, TypeError):
     """A batch contains a leaf that cannot travel through a slot; names the leaf's path."""
 

@@ -56,6 +56,19 @@ NOTE [ Ring size ]
   back ] in scheduler.py, large slots).  Slot size is learnt from
   the first batch (page-rounded) unless `slot_bytes` is given; a larger batch grows only its slot.
 
+NOTE [ A ring fitted to /dev/shm ]
+  A ring of `depth` slots may not fit where torch's loader runs: torch keeps in /dev/shm only the
+  batches that exist, often fewer than `depth` (a Docker container's 64 MiB, 20 MiB batches, one
+  worker: torch runs with 3 of them, a ring of 4 slots does not fit).  So a ring that cannot fit
+  whole is not refused: it is fitted to what /dev/shm has room for (`_shm_room`, bytes), never
+  more segments alive than that, and a warning says so once, with how to get the whole ring.
+  Fewer batches are then in flight; a grant waits for a slot the loop gives back.  Only a
+  /dev/shm without room for MIN_FITTED_SLOTS slots (the batch in the loop's hand and the next
+  one being written, which torch needs as well) is a ShmCapacityError, at the start; a loop
+  that holds batches until nothing is left to write into gets one then, naming what it holds.
+  The room is counted low while segments are on their way (they may or may not be in what
+  /dev/shm has used yet) and counted again at every adoption and every batch leased until sure.
+
 NOTE [ Slot size follows the batches ]
   The size a new slot gets (`slot_bytes`: a slot made for the first time, one made again after
   its batch was detached, a spare) rises at once with a larger batch, and comes down when a whole
@@ -78,7 +91,7 @@ from dataclasses import dataclass
 
 from . import _ring
 from . import segment as shm_segment
-from .errors import RingFullError, ShmCapacityError, SlotProtocolError
+from .errors import RingFullError, ShmCapacityError, ShmCapacityWarning, SlotProtocolError
 from .interrupts import ctrl_c_held
 from .ownership import forking_a_worker, register_parent_only
 from .segment import MIN_HEADROOM, create_segment, page_round
@@ -90,6 +103,7 @@ RECENT_PER_SLOT = 1
 RECENT_MIN = 4
 SHRINK_ABOVE = 2
 SPARES_MADE_WAIT_SECONDS = 2.0  # _check_fits: at most this for spares being made
+MIN_FITTED_SLOTS = 2  # NOTE [ A ring fitted to /dev/shm ]: the least room a ring runs in
 
 # The main process's view of a slot (the header's state word has WRITING/READY in between).
 _FREE, _DISPATCHED, _LEASED = "free", "granted", "leased"
@@ -173,6 +187,8 @@ class Ring:
         self._shrunk = 0
         self._made_ahead = 0
         self._fits = False  # the whole ring at slot_bytes was found to fit (_check_fits)
+        self._shm_room: int | None = None  # NOTE [ A ring fitted to /dev/shm ]
+        self._fitted_warned = False
         self._spares = SpareMaker(lambda capacity: create_segment(capacity, 0, "a spare ring slot", populate=False))
         self._spares_on = os.environ.get("SHMLOADER_SPARE_SLOTS", "1") != "0"  # NOTE [ Spare segments ]
         self._forked = False  # a fork of the user's since the last ring round
@@ -185,7 +201,9 @@ class Ring:
     # -- sizing --------------------------------------------------------------------------
 
     def _check_fits(self) -> None:
-        """Raise ShmCapacityError now if the whole ring at `slot_bytes` cannot fit in /dev/shm.
+        """Fit the ring to /dev/shm if the whole ring at `slot_bytes` cannot fit there, or raise
+        ShmCapacityError now if not even MIN_FITTED_SLOTS slots can (NOTE [ A ring fitted to
+        /dev/shm ]).
 
         Slots are created (and their pages reserved) when first used, by whichever process first
         needs them, so the first batch does not wait for the whole ring to be zeroed; this check
@@ -193,34 +211,60 @@ class Ring:
 
         A slot granted to a worker to create, or a spare being made, is counted as missing, yet
         its segment may exist already and be counted in what /dev/shm has used: a ring that fits
-        was refused (a 72 MiB ring in an 82 MiB /dev/shm, where torch runs).  So the ring is
-        refused only if it cannot fit even were all those segments made.  If it fits only then,
-        the answer waits for the spares being made (this process's own, made in a millisecond or
-        so), and the check runs again at every adoption and every batch leased until it is sure:
-        one inconclusive check followed by none left a ring that could never be made whole
-        running on, its fate decided by which thread won (a CI failure)."""
+        was refused (a 72 MiB ring in an 82 MiB /dev/shm, where torch runs).  So the answer is
+        sure only once nothing is on its way: till then the room is counted low, the check waits
+        for the spares being made (this process's own, made in a millisecond or so), and it runs
+        again at every adoption and every batch leased.  One unsure check followed by none left
+        a ring running on whose fate depended on which thread won (a CI failure)."""
         if self.slot_bytes is None or self._fits:
             return
         if self._fits_unsure() and self._spares.wait_made(SPARES_MADE_WAIT_SECONDS):
             self._fits_unsure()  # the spares made since are counted as made now
 
     def _fits_unsure(self) -> bool:
-        """One check of _check_fits: raises if the ring surely cannot fit, sets `_fits` if it
-        surely does, and says whether the answer depends on segments on their way."""
+        """One check of _check_fits: sets `_fits` where the whole ring surely fits, else fits the
+        ring to the room there is (raising where that is too little), and says whether the
+        answer depends on segments on their way."""
+        slot_bytes = self.slot_bytes
         allocated = self.segments()
         missing = self.depth - len(allocated)
-        needed = missing * self.slot_bytes
+        needed = missing * slot_bytes
         free = shm_segment.shm_free_bytes()
-        on_their_way = self._spares.pending() + sum(
-            1 for slot, segment in enumerate(self._segments) if segment is None and self._states[slot] == _DISPATCHED)
+        on_their_way = self._spares.making() + self._dispatched_uncreated()
         self._fits = needed <= free
-        if not self._fits and needed - on_their_way * self.slot_bytes > free:
-            total = sum(s.size for s in allocated) + needed
+        if self._fits:
+            self._shm_room = None
+            return False
+        unsure = on_their_way > 0
+        # what our segments hold now, and what is free: low by the segments on their way that
+        # /dev/shm has counted already
+        room = (sum(s.size for s in allocated) + sum(self._held_segments.values())
+                + self._spares.ready_bytes() + free)
+        least = MIN_FITTED_SLOTS * slot_bytes
+        if room + on_their_way * slot_bytes < least:
             raise ShmCapacityError(
-                total, free + sum(s.size for s in allocated), shm_segment.SHM_DIR,
-                f"the ring ({self.depth} slots of {self.slot_bytes} bytes)",
+                least, room + on_their_way * slot_bytes, shm_segment.SHM_DIR,
+                f"the ring ({self.depth} slots of {slot_bytes} bytes, fitted to /dev/shm: at least "
+                f"{MIN_FITTED_SLOTS} of them)",
             )
-        return not self._fits
+        self._shm_room = max(room, least)
+        if not unsure and not self._fitted_warned:
+            self._fitted_warned = True
+            fitted = self._shm_room // slot_bytes
+            warnings.warn(
+                f"shmloader: {shm_segment.SHM_DIR} has room for {fitted} of the ring's {self.depth} "
+                f"slots of {slot_bytes} bytes ({free} bytes free; the whole ring needs "
+                f"{self.depth * slot_bytes}): at most {fitted} batches are kept in shared memory at "
+                f"once, so fewer are prefetched than num_workers x prefetch_factor and loading may "
+                "be slower. For the whole ring give the container more shared memory (e.g. "
+                "`docker run --shm-size=8g`), or lower prefetch_factor, num_workers or batch_size.",
+                ShmCapacityWarning, stacklevel=2)
+        return unsure
+
+    def _dispatched_uncreated(self) -> int:
+        """Slots granted to a worker that creates their segment (it may exist already)."""
+        return sum(1 for slot, segment in enumerate(self._segments)
+                   if segment is None and self._states[slot] == _DISPATCHED)
 
     @property
     def depth(self) -> int:
@@ -236,15 +280,29 @@ class Ring:
                 sum(s.size for s in ring) + sum(held) + spares * (self.slot_bytes or 0))
 
     def _may_add_segment(self) -> bool:
-        """Whether one more segment stays within the user's cap (always, without one)."""
+        """Whether one more segment stays within the user's cap and the room /dev/shm has
+        (always, without either)."""
         if self._closed:
             return False
+        if self.max_slots is None and self.max_bytes is None and self._shm_room is None:
+            return True
+        return self._within_users_cap() and self._shm_room_left() > 0
+
+    def _within_users_cap(self) -> bool:
         if self.max_slots is None and self.max_bytes is None:
             return True
         count, nbytes = self._live()
         if self.max_slots is not None and count >= self.max_slots:
             return False
         return self.max_bytes is None or nbytes + (self.slot_bytes or 0) <= self.max_bytes
+
+    def _shm_room_left(self) -> int:
+        """How many more slots the room in /dev/shm takes (NOTE [ A ring fitted to /dev/shm ]):
+        past the segments alive and those granted to be made by workers."""
+        if self._shm_room is None or not self.slot_bytes:
+            return self.depth
+        _count, nbytes = self._live()
+        return max(0, (self._shm_room - nbytes) // self.slot_bytes - self._dispatched_uncreated())
 
     # -- the main process's side of the lifecycle ------------------------------------------
 
@@ -304,9 +362,9 @@ class Ring:
         user's cap allows: spares count against it from the moment they are asked for."""
         if not self._spares_on or not self.slot_bytes or self._closed:
             return
-        if self.max_slots is not None or self.max_bytes is not None:
+        if self.max_slots is not None or self.max_bytes is not None or self._shm_room is not None:
             live, nbytes = self._live()
-            room = count
+            room = min(count, self._shm_room_left())
             if self.max_slots is not None:
                 room = min(room, self.max_slots - live)
             if self.max_bytes is not None:
@@ -358,8 +416,16 @@ class Ring:
         if self.can_take():
             return
         gc.collect()
-        if not self.can_take():
-            raise RingFullError(self._full_message())
+        if self.can_take():
+            return
+        if self._within_users_cap():  # the room in /dev/shm is what is missing
+            count, nbytes = self._live()
+            raise ShmCapacityError(
+                nbytes + (self.slot_bytes or 0), self._shm_room or 0, shm_segment.SHM_DIR,
+                f"one more ring slot of {self.slot_bytes} bytes, while the training loop holds "
+                f"{self.held() + len(self._held_segments)} batches (each keeps its batch's whole "
+                "slot: drop those you no longer need, or keep a .clone() of what you keep),")
+        raise RingFullError(self._full_message())
 
     def unassign(self, slot: int) -> None:
         """A dispatched slot came back unused (end of an iterable stream, an error, a reset)."""

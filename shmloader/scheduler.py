@@ -241,7 +241,7 @@ class SlotScheduler:
                 return True
         if self._defer_new_segments and ring.held() and (ring.slot_bytes or 0) > AHEAD_MAX_SLOT_BYTES:
             return False  # the loop gives one back before it waits (NOTE [ Slots the loop ... ])
-        return ring.has_free_slot() or ring.can_take()
+        return ring.can_take()  # a free slot whose segment may be made, or a held one to detach
 
     def replenish(self, patient: frozenset[int] | set[int] = frozenset()) -> None:
         """Take back released slots and grant them to workers that have work; the `patient`

@@ -106,6 +106,12 @@ class SpareMaker:
         with self._cond:
             return sum(s.size for s in self._ready) + self._making * self._capacity
 
+    def making(self) -> int:
+        return self._making  # an int read: atomic under the GIL
+
+    def ready_bytes(self) -> int:
+        return sum(s.size for s in list(self._ready))
+
     def ready_count(self) -> int:
         return len(self._ready)  # a deque's length: atomic under the GIL
 

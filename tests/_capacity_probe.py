@@ -3,9 +3,11 @@ happened (tests/test_capacity.py runs it inside a private mount namespace over a
 
     python -m tests._capacity_probe CASE
 
-CASE "construct": a ring whose slot_bytes cannot fit; "learnt": a ring whose size learnt from the
-first batch cannot fit; "grow": one batch much larger than its slot, too large to fit; "fits": a
-ring learnt from the first batch that just fits (4 workers: 10 slots of 1.5 MiB in 16 MiB).
+CASE "construct": a ring of which not even 2 slots (slot_bytes) fit; "learnt": a ring whose size
+learnt from the first batch does not fit whole (6 slots of 3 MiB in 16 MiB), where torch runs:
+fitted to /dev/shm; "learnt-too-big": one whose first batch teaches a slot of which 2 do not fit;
+"grow": one batch much larger than its slot, too large to fit; "fits": a ring learnt from the
+first batch that just fits (4 workers: 10 slots of 1.5 MiB in 16 MiB).
 """
 
 from __future__ import annotations
@@ -14,11 +16,12 @@ import gc
 import json
 import os
 import sys
+import warnings
 
 import numpy as np
 from torch.utils.data import Dataset
 
-from shmloader import ShmDataLoader
+from shmloader import ShmCapacityWarning, ShmDataLoader
 from tests.conftest import child_pids, mapped_segments, wait_until
 
 MiB = 1 << 20
@@ -46,9 +49,11 @@ def _used() -> int:
 def run(case: str) -> dict:
     kw = dict(num_workers=2, prefetch_factor=2, multiprocessing_context="fork")
     if case == "construct":
-        loader = ShmDataLoader(Sized(MiB), batch_size=4, slot_bytes=8 * MiB, **kw)
+        loader = ShmDataLoader(Sized(MiB), batch_size=4, slot_bytes=9 * MiB, **kw)
     elif case == "learnt":
         loader = ShmDataLoader(Sized(MiB), batch_size=3, **kw)
+    elif case == "learnt-too-big":
+        loader = ShmDataLoader(Sized(MiB), batch_size=9, **kw)
     elif case == "fits":
         loader = ShmDataLoader(Sized(MiB * 3 // 2), batch_size=1, **dict(kw, num_workers=4))
     elif case == "grow":
@@ -57,14 +62,20 @@ def run(case: str) -> dict:
     else:
         raise SystemExit(f"unknown case {case!r}")
     result: dict = {"total": os.statvfs("/dev/shm").f_blocks * os.statvfs("/dev/shm").f_frsize, "batches": 0}
-    try:
-        for batch in loader:
-            result["batches"] += 1
-            del batch  # the probe keeps no batch: every slot must be freed at the end
-    except Exception as exc:
-        result.update(type=type(exc).__name__, mro=[c.__name__ for c in type(exc).__mro__],
-                      message=str(exc), needed=getattr(exc, "needed", None), free=getattr(exc, "free", None))
-        del exc
+    sums = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", ShmCapacityWarning)
+        try:
+            for batch in loader:
+                result["batches"] += 1
+                sums.append(int(batch.sum()))  # what torch's batch sums to: checked by the test
+                del batch  # the probe keeps no batch: every slot must be freed at the end
+        except Exception as exc:
+            result.update(type=type(exc).__name__, mro=[c.__name__ for c in type(exc).__mro__],
+                          message=str(exc), needed=getattr(exc, "needed", None), free=getattr(exc, "free", None))
+            del exc
+    result["warnings"] = [str(w.message) for w in caught if issubclass(w.category, ShmCapacityWarning)]
+    result["sums"] = sums
     del loader
     gc.collect()
     wait_until(lambda: not child_pids() and not mapped_segments(), 10.0)
