@@ -83,6 +83,7 @@ def _create(capacity: int, free: int, what: str, populate: bool) -> _ring.Segmen
     except OSError as exc:
         os.close(fd)
         if exc.errno in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG):
-            raise ShmCapacityError(capacity, free, SHM_DIR, what) from exc
+            # free again: read before, it may have been taken since by another process's segment
+            raise ShmCapacityError(capacity, min(free, shm_free_bytes()), SHM_DIR, what) from exc
         raise
     return segment

@@ -43,7 +43,7 @@ from . import heap, layout, protocol, torch_private
 from ._ring import SlotArena
 from .arena import SlotTensorMode, empty_tensor
 from .channel import Channel, ChannelClosed
-from .errors import SlotProtocolError
+from .errors import ShmCapacityError, SlotProtocolError
 from .ownership import close_parent_only_in_child, freeze_inherited_objects
 from .protocol import (
     AWAITING_SLOT,
@@ -659,6 +659,10 @@ class _Worker:
                     segment.release()
                 self.grants.appendleft(grant)
                 returned = grant
+            if isinstance(exc, ShmCapacityError) and stage != STAGES[WRITING]:
+                # the slot is made where the batch first needs it: while its samples are
+                # fetched into it, or collated into it, not by the dataset's code
+                stage = f"creating the shared-memory slot for its batch, {stage.split(' (')[0]}"
             self.channel.send(Failed(epoch, idx, stage, exception_payload(exc)))
         finally:
             if arena is not None or (in_slot is self.samples_in_slot and in_slot.arenas):

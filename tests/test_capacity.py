@@ -138,6 +138,20 @@ def test_learnt_slot_size_of_which_two_slots_do_not_fit_fails_cleanly(small_shm)
 
 
 @pytest.mark.timeout(60)
+def test_a_first_batch_with_no_room_for_its_slot_says_the_slot_failed_not_the_dataset(small_shm):
+    """The slot is made where the batch first needs it, often while its samples are fetched
+    into it: the error named the dataset's __getitem__ as what was running."""
+    loader = ShmDataLoader(Sized(MiB), batch_size=9, num_workers=1, multiprocessing_context="fork")
+    with pytest.raises(ShmCapacityError) as info:
+        for batch in loader:
+            del batch
+    message = str(info.value)
+    assert "creating the shared-memory slot for its batch" in message, message
+    assert "dataset __getitem__" not in message, message
+    _assert_actionable(message, info.value.needed, info.value.free)
+
+
+@pytest.mark.timeout(60)
 def test_a_fitted_ring_that_the_loop_fills_with_held_batches_says_so(small_shm):
     """Fitted to 3 slots, a loop that keeps every batch has nothing left to write into: an error
     that names what it holds (torch fails there too, out of /dev/shm), not a hang."""
