@@ -294,7 +294,9 @@ def test_small_parts_of_batches_held_by_the_loop_hold_no_slot():
     del batch  # the loop's variable: the last batch, whole
     gc.collect()
     stats = loader.stats()
-    assert stats.detached > 0 and stats.held_segments <= 2, stats
+    # the two image batches, detached or (where the ring never needed their slots: timing) held
+    # at its close; were each label a view, the 30 batches would hold 30 segments
+    assert stats.held_segments <= 2, stats
     assert images[1][3, 0, 0].item() == 11.0
 
 
