@@ -84,6 +84,7 @@ from __future__ import annotations
 
 import gc
 import os
+import sys
 import warnings
 import weakref
 from collections import deque
@@ -118,6 +119,16 @@ def _keep_only_the_batch(segment: _ring.Segment, payload_end: int) -> int:
         return segment.size
     segment.discard_from(kept)
     return kept
+
+
+def _user_stacklevel() -> int:
+    """warnings.warn's stacklevel, from the function that calls this one, of the first frame
+    outside shmloader and torch's data loading: the user's `for batch in loader` line."""
+    frame, level = sys._getframe(1), 1
+    inside = (os.path.dirname(os.path.abspath(__file__)), os.path.join("torch", "utils", "data"))
+    while frame.f_back is not None and any(part in frame.f_code.co_filename for part in inside):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 @dataclass(frozen=True)
@@ -253,12 +264,12 @@ class Ring:
             fitted = self._shm_room // slot_bytes
             warnings.warn(
                 f"shmloader: {shm_segment.SHM_DIR} has room for {fitted} of the ring's {self.depth} "
-                f"slots of {slot_bytes} bytes ({free} bytes free; the whole ring needs "
-                f"{self.depth * slot_bytes}): at most {fitted} batches are kept in shared memory at "
+                f"slots of {slot_bytes} bytes ({room} bytes: what its segments hold now and {free} "
+                f"free; the whole ring needs {self.depth * slot_bytes}): at most {fitted} batches are kept in shared memory at "
                 f"once, so fewer are prefetched than num_workers x prefetch_factor and loading may "
                 "be slower. For the whole ring give the container more shared memory (e.g. "
                 "`docker run --shm-size=8g`), or lower prefetch_factor, num_workers or batch_size.",
-                ShmCapacityWarning, stacklevel=2)
+                ShmCapacityWarning, stacklevel=_user_stacklevel())
         return unsure
 
     def _dispatched_uncreated(self) -> int:

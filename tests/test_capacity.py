@@ -116,6 +116,7 @@ def test_a_ring_that_does_not_fit_whole_is_fitted_to_the_room_and_gives_torchs_b
     assert len(fitted) == 1, [str(w.message) for w in caught]
     assert "room for 3 of the ring's 6 slots" in str(fitted[0].message), fitted[0].message
     assert "--shm-size" in str(fitted[0].message)
+    assert fitted[0].filename == __file__  # the user's loop, not shmloader's insides
     torch_sums = [int(b.sum()) for b in torch.utils.data.DataLoader(Sized(MiB), batch_size=2)]
     assert sums == torch_sums
     assert most <= small_shm, (most, small_shm)
