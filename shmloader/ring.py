@@ -93,6 +93,7 @@ from dataclasses import dataclass
 from . import _ring
 from . import segment as shm_segment
 from .errors import RingFullError, ShmCapacityError, ShmCapacityWarning, SlotProtocolError
+from .errors import _fmt_bytes as fmt_bytes
 from .interrupts import ctrl_c_held
 from .ownership import forking_a_worker, register_parent_only
 from .segment import MIN_HEADROOM, create_segment, page_round
@@ -242,15 +243,15 @@ class Ring:
         needed = missing * slot_bytes
         free = shm_segment.shm_free_bytes()
         on_their_way = self._spares.making() + self._dispatched_uncreated()
-        self._fits = needed <= free
+        ready = self._spares.ready_bytes()  # made, in what /dev/shm has used: each fills a slot
+        self._fits = needed <= free + ready
         if self._fits:
             self._shm_room = None
             return False
         unsure = on_their_way > 0
         # what our segments hold now, and what is free: low by the segments on their way that
         # /dev/shm has counted already
-        room = (sum(s.size for s in allocated) + sum(self._held_segments.values())
-                + self._spares.ready_bytes() + free)
+        room = sum(s.size for s in allocated) + sum(self._held_segments.values()) + ready + free
         least = MIN_FITTED_SLOTS * slot_bytes
         if room + on_their_way * slot_bytes < least:
             raise ShmCapacityError(
@@ -261,14 +262,15 @@ class Ring:
         self._shm_room = max(room, least)
         if not unsure and not self._fitted_warned:
             self._fitted_warned = True
-            fitted = self._shm_room // slot_bytes
+            fitted = max(MIN_FITTED_SLOTS, len(allocated) + (ready + free) // slot_bytes)  # < depth here
             warnings.warn(
                 f"shmloader: {shm_segment.SHM_DIR} has room for {fitted} of the ring's {self.depth} "
-                f"slots of {slot_bytes} bytes ({room} bytes: what its segments hold now and {free} "
-                f"free; the whole ring needs {self.depth * slot_bytes}): at most {fitted} batches are kept in shared memory at "
-                f"once, so fewer are prefetched than num_workers x prefetch_factor and loading may "
-                "be slower. For the whole ring give the container more shared memory (e.g. "
-                "`docker run --shm-size=8g`), or lower prefetch_factor, num_workers or batch_size.",
+                f"slots of {fmt_bytes(slot_bytes)} ({fmt_bytes(free)} free besides its own; the whole "
+                f"ring needs {fmt_bytes(self.depth * slot_bytes)}): at most "
+                f"{fitted} batches are kept in shared memory at once, so fewer are prefetched than "
+                "num_workers x prefetch_factor and loading may be slower. For the whole ring give "
+                "the container more shared memory (e.g. `docker run --shm-size=8g`), or lower "
+                "prefetch_factor, num_workers or batch_size.",
                 ShmCapacityWarning, stacklevel=_user_stacklevel())
         return unsure
 

@@ -382,6 +382,21 @@ def test_a_ring_that_cannot_fit_whole_is_fitted_and_says_so_once_sure(monkeypatc
         case.close()
 
 
+def test_a_spare_made_for_the_last_missing_slot_is_not_counted_as_used_room(monkeypatch):
+    """A ready spare is in what /dev/shm has used and fills a missing slot: the ring was taken
+    for one that does not fit, fitted, and warned "room for 6 of the ring's 6 slots" (found by
+    a new-user matrix: 64 MiB, 10 MiB batches, 2 workers)."""
+    from shmloader.spares import SpareMaker
+
+    case = _TwoFirstSegmentsMade(monkeypatch, free_slots=3.2)  # 4 missing: 3.2 free + 1 spare
+    monkeypatch.setattr(SpareMaker, "ready_bytes", lambda self: case.size)
+    try:
+        assert _fitted_warnings(lambda: (case.adopt(0), case.adopt(1))) == []
+        assert case.ring._shm_room is None
+    finally:
+        case.close()
+
+
 def test_a_ring_of_which_two_slots_cannot_fit_is_refused_at_once(monkeypatch):
     case = _TwoFirstSegmentsMade(monkeypatch, free_slots=0.5)
     try:
