@@ -93,6 +93,12 @@ class ShmCapacityError(ShmLoaderError, MemoryError):
         return (type(self), (self.needed, self.free, self.path, self.what))
 
 
+class NoRoomForSlot(Exception):
+    """In a worker: the granted slot has no segment and /dev/shm no room for one, so the grant
+    went back to the main process (NOTE [ No room for a worker's first slot ] in worker.py).
+    Never reaches the user."""
+
+
 class ShmCapacityWarning(UserWarning):
     """The whole ring does not fit in the shared-memory filesystem: it is fitted to the room
     there is, and fewer batches are prefetched (NOTE [ A ring fitted to /dev/shm ] in ring.py)."""

@@ -54,7 +54,7 @@ from .errors import (
 )
 from .interrupts import ctrl_c_held
 from .pool import Poller, WorkerPool
-from .protocol import End, Failed, Fatal, Ready, Resume, Resumed, Rewind, State, Task
+from .protocol import End, Failed, Fatal, NoRoom, Ready, Resume, Resumed, Rewind, State, Task
 from .ring import Ring, RingStats
 from .scheduler import SlotScheduler
 from .timing import BatchClock, timing_enabled
@@ -96,7 +96,9 @@ class LoaderStats:
     copy was made (NOTE [ One copy for a numpy collate_fn ] in worker.py, NOTE [ Samples born in
     the slot ] in samples_in_slot.py); prefetched_next_epoch / forecast_misses: batches fetched across
     an epoch's end and kept, and epochs whose forecast was wrong (NOTE [ Cross-epoch prefetch ]
-    in epochs.py); timing: where the time goes and the verdict (diagnosis.py;
+    in epochs.py); spilled_batches: batches moved out of their slot to private memory while they
+    waited for their turn, because the loop waited for an earlier one that could get no slot
+    (NOTE [ Batches that wait for their turn ] in scheduler.py); timing: where the time goes and the verdict (diagnosis.py;
     None with SHMLOADER_TIMING=0).  After an epoch (workers stopped, ring closed), the epoch's
     figures, ring_bytes as the epoch left it, but held_segments, held_bytes, reserved_bytes and
     in_use_bytes as they are now: only the batches still held reserve memory then.  print() it
@@ -120,6 +122,7 @@ class LoaderStats:
     prefetched_next_epoch: int = 0  # batches fetched before their epoch began, and kept
     forecast_misses: int = 0  # next epochs whose forecast the sampler did not bear out
     slot_shrinks: int = 0
+    spilled_batches: int = 0
 
     @property
     def control_bytes_per_batch(self) -> float:
@@ -486,6 +489,7 @@ class _ShmLoaderIter(_PoolIter):
         self._clock = BatchClock(getattr(loader, "_timing", True))  # NOTE [ Stage clocks ]
         self._events: collections.deque = collections.deque()  # results read ahead of their wait
         self._task_info: dict[int, tuple] = {}
+        self._slot_of: dict[int, tuple[int, int]] = {}  # this epoch's idx -> (slot, generation) it came in
         # NOTE [ Cross-epoch prefetch ] in epochs.py
         self._ahead_on = (self._persistent_workers and getattr(loader, "prefetch_next_epoch", False)
                           and self._dataset_kind == torch_private.DatasetKind.Map
@@ -501,6 +505,7 @@ class _ShmLoaderIter(_PoolIter):
         self._resumed: collections.Counter = collections.Counter()  # Resumed messages per epoch
         self._prefetched_next_epoch = 0
         self._forecast_misses = 0
+        self._spilled = 0  # NOTE [ Batches that wait for their turn ] in scheduler.py
         pinner = None
         if self._pin_memory:  # torch's base class set this only where an accelerator exists
             from .cuda import SlotPinner
@@ -555,6 +560,7 @@ class _ShmLoaderIter(_PoolIter):
         self._send_idx = 0
         self._rcvd_idx = 0
         self._task_info = {}
+        self._slot_of = {}
         self._tasks_outstanding = 0
         self._workers_status = [True] * self._num_workers
         self._workers_num_tasks = [0] * self._num_workers
@@ -818,7 +824,7 @@ class _ShmLoaderIter(_PoolIter):
             scheduler.replenish(self._workers_ahead())
             if until is not None and until():  # it may hold already (Resumed read ahead)
                 return None
-            scheduler.check_not_starved()
+            scheduler.check_not_starved(self._spill_buffered)
             wait = POLL_SECONDS if deadline is None else max(0.0, min(POLL_SECONDS, deadline - time.monotonic()))
             try:
                 ready = self._everything.ready(wait)
@@ -844,6 +850,21 @@ class _ShmLoaderIter(_PoolIter):
                 raise LoaderTimeoutError(
                     f"DataLoader timed out after {self._timeout} seconds waiting for batch "
                     f"{self._rcvd_idx} (worker {waiting_on}); {TIMEOUT_ADVICE}")
+
+    def _spill_buffered(self) -> bool:
+        """Move the latest batch that waits in the reorder buffer out of its slot into private
+        memory, so that the slot can take the batch the loop waits for (NOTE [ Batches that wait
+        for their turn ] in scheduler.py); False where none can be moved."""
+        waiting = sorted((idx for idx, info in self._task_info.items()
+                          if len(info) == 2 and idx in self._slot_of), reverse=True)
+        for idx in waiting:
+            slot, generation = self._slot_of.pop(idx)
+            moved = self._scheduler.spill(slot, generation, idx)
+            if moved is not None:
+                self._task_info[idx] = (self._task_info[idx][0], moved)  # the slot's views die here
+                self._spilled += 1
+                return True
+        return False
 
     def _read_ahead(self) -> None:
         """Handle every message already waiting (no blocking), so that slots come back and are
@@ -873,10 +894,15 @@ class _ShmLoaderIter(_PoolIter):
         if kind is Ready:
             where = self._result_of(message.epoch, message.idx)
             batch = self._scheduler.ready(worker_id, message, fds, deliver=where != "stale")
+            if where == "now":
+                self._slot_of[message.idx] = (message.slot, message.generation)
             if where == "early":
                 self._early[message.idx] = (worker_id, batch)
                 return None
             return None if where == "stale" else (message.idx, worker_id, batch)  # a batch may be None
+        if kind is NoRoom:  # NOTE [ No room for a worker's first slot ] in worker.py
+            self._scheduler.no_room(worker_id, message)
+            return None
         if kind is State:  # a worker's dataset state after a batch (NOTE [ Resuming mid-epoch ])
             self._resumable.on_worker_state(self, worker_id, message)
             return None
@@ -919,7 +945,7 @@ class _ShmLoaderIter(_PoolIter):
             control_bytes=pool.control_bytes if pool is not None else 0,
             control_messages=pool.control_messages if pool is not None else 0,
             timing=self._timing_stats(), prefetched_next_epoch=self._prefetched_next_epoch,
-            forecast_misses=self._forecast_misses,
+            forecast_misses=self._forecast_misses, spilled_batches=self._spilled,
         )
 
     def _timing_stats(self) -> diagnosis.LoaderTiming | None:

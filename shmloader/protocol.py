@@ -14,7 +14,9 @@ version (a spawned interpreter that imports another shmloader) refuses to start,
     Forget(slot, generation)                     State(epoch, idx, dataset state)
     Resume(epoch)                                Resumed(epoch)
     Stop()                                       Fatal(stage, exception payload)
-    Rewind(epoch, idx)
+    Rewind(epoch, idx)                           NoRoom(slot, generation, needed, free)
+                                                       no room in /dev/shm for the granted
+                                                       slot's first segment: the grant back
   sample_parallel=True (sample_parallel.py):
     Learn(epoch, idx, size, index)               Schema(epoch, idx, schema bytes)
     Schema(epoch, idx, schema bytes)             RowsDone(epoch, idx, count, in-place bytes)
@@ -41,7 +43,7 @@ from . import _ring
 from .errors import SlotProtocolError
 from .timing import MAX_STAGES, STATUS_BLOCK_BYTES
 
-PROTOCOL_VERSION = 4  # 1: positional tuples (shmloader <= 0.x); 2: typed messages; 3: rows in place; 4: Kept rows' bytes
+PROTOCOL_VERSION = 5  # 1: positional tuples (shmloader <= 0.x); 2: typed messages; 3: rows in place; 4: Kept rows' bytes; 5: NoRoom
 
 
 # -- main process -> worker ----------------------------------------------------------------------
@@ -103,6 +105,16 @@ class Ready(NamedTuple):
     generation: int
     capacity: int
     in_place: int
+
+
+class NoRoom(NamedTuple):
+    """The granted `slot` (of `generation`, no segment yet) comes back unused: /dev/shm had
+    `free` bytes where its segment needed `needed` (NOTE [ No room for a worker's first slot ] in
+    worker.py); the worker waits for another grant."""
+    slot: int
+    generation: int
+    needed: int
+    free: int
 
 
 class Failed(NamedTuple):
@@ -192,7 +204,7 @@ class Kept(NamedTuple):
 
 MESSAGES: tuple[type, ...] = (Hello, Task, Grant, Forget, Resume, Stop,
                               Ready, Failed, End, State, Resumed, Fatal, Rewind,
-                              Learn, Schema, Rows, RowsDone, Kept)
+                              Learn, Schema, Rows, RowsDone, Kept, NoRoom)
 _TAG = {kind: tag for tag, kind in enumerate(MESSAGES)}
 
 

@@ -68,6 +68,11 @@ NOTE [ A ring fitted to /dev/shm ]
   that holds batches until nothing is left to write into gets one then, naming what it holds.
   The room is counted low while segments are on their way (they may or may not be in what
   /dev/shm has used yet) and counted again at every adoption and every batch leased until sure.
+  Before the first batch has taught the slot size, the room is not known: each worker makes its
+  first slot at once, and one that finds no room hands its grant back (`no_room`, NOTE [ No room
+  for a worker's first slot ] in worker.py); from then on no more segments are alive or on their
+  way than at that moment (`_shm_slots`), the same warning says so, and the same
+  MIN_FITTED_SLOTS holds (make_room).
 
 NOTE [ Slot size follows the batches ]
   The size a new slot gets (`slot_bytes`: a slot made for the first time, one made again after
@@ -200,6 +205,8 @@ class Ring:
         self._made_ahead = 0
         self._fits = False  # the whole ring at slot_bytes was found to fit (_check_fits)
         self._shm_room: int | None = None  # NOTE [ A ring fitted to /dev/shm ]
+        self._shm_slots: int | None = None  # the same, in segments, learnt from a worker's no_room
+        self._no_room: tuple[int, int] = (0, 0)  # (needed, free) of the last no_room
         self._fitted_warned = False
         self._spares = SpareMaker(lambda capacity: create_segment(capacity, 0, "a spare ring slot", populate=False))
         self._spares_on = os.environ.get("SHMLOADER_SPARE_SLOTS", "1") != "0"  # NOTE [ Spare segments ]
@@ -260,19 +267,54 @@ class Ring:
                 f"{MIN_FITTED_SLOTS} of them)",
             )
         self._shm_room = max(room, least)
-        if not unsure and not self._fitted_warned:
-            self._fitted_warned = True
+        if not unsure:
             fitted = max(MIN_FITTED_SLOTS, len(allocated) + (ready + free) // slot_bytes)  # < depth here
-            warnings.warn(
-                f"shmloader: {shm_segment.SHM_DIR} has room for {fitted} of the ring's {self.depth} "
-                f"slots of {fmt_bytes(slot_bytes)} ({fmt_bytes(free)} free besides its own; the whole "
-                f"ring needs {fmt_bytes(self.depth * slot_bytes)}): at most "
-                f"{fitted} batches are kept in shared memory at once, so fewer are prefetched than "
-                "num_workers x prefetch_factor and loading may be slower. For the whole ring give "
-                "the container more shared memory (e.g. `docker run --shm-size=8g`), or lower "
-                "prefetch_factor, num_workers or batch_size.",
-                ShmCapacityWarning, stacklevel=_user_stacklevel())
+            self._warn_fitted(fitted, slot_bytes, free)
         return unsure
+
+    def _warn_fitted(self, fitted: int, slot_bytes: int, free: int) -> None:
+        """The ring's one ShmCapacityWarning: room for `fitted` slots of `slot_bytes`."""
+        if self._fitted_warned:
+            return
+        self._fitted_warned = True
+        warnings.warn(
+            f"shmloader: {shm_segment.SHM_DIR} has room for {fitted} of the ring's {self.depth} "
+            f"slots of {fmt_bytes(slot_bytes)} ({fmt_bytes(free)} free besides its own; the whole "
+            f"ring needs {fmt_bytes(self.depth * slot_bytes)}): at most "
+            f"{fitted} batches are kept in shared memory at once, so fewer are prefetched than "
+            "num_workers x prefetch_factor and loading may be slower. For the whole ring give "
+            "the container more shared memory (e.g. `docker run --shm-size=8g`), or lower "
+            "prefetch_factor, num_workers or batch_size.",
+            ShmCapacityWarning, stacklevel=_user_stacklevel())
+
+    def no_room(self, slot: int, generation: int, needed: int, free: int) -> None:
+        """A worker found no room in /dev/shm (`free` bytes) for the first segment (`needed`
+        bytes) of `slot`, granted to it without one, and handed the slot back: it is free again,
+        and no more segments are made than are alive or on their way now (NOTE [ A ring fitted to
+        /dev/shm ])."""
+        if (self._states[slot] != _DISPATCHED or self._segments[slot] is not None
+                or generation != self._generations[slot]):
+            raise SlotProtocolError(
+                f"a worker handed back slot {slot} generation {generation}, which is "
+                f"{self._states[slot]} at generation {self._generations[slot]}"
+                f"{' with a segment' if self._segments[slot] is not None else ''}")
+        self._states[slot] = _FREE
+        self._free.append(slot)
+        count, _ = self._live()
+        room = count + self._dispatched_uncreated()
+        self._shm_slots = room if self._shm_slots is None else min(self._shm_slots, room)
+        self._no_room = (needed, free)
+        if room >= MIN_FITTED_SLOTS:  # too few: make_room says so if the loop ever waits on it
+            self._warn_fitted(self._shm_slots, self.slot_bytes or needed, free)
+
+    def working_depth(self) -> int:
+        """The slots the ring may hold at once: its depth, or fewer where fitted to /dev/shm."""
+        depth = self.depth
+        if self._shm_room is not None and self.slot_bytes:
+            depth = min(depth, max(MIN_FITTED_SLOTS, self._shm_room // self.slot_bytes))
+        if self._shm_slots is not None:
+            depth = min(depth, self._shm_slots)
+        return depth
 
     def _dispatched_uncreated(self) -> int:
         """Slots granted to a worker that creates their segment (it may exist already)."""
@@ -297,7 +339,7 @@ class Ring:
         (always, without either)."""
         if self._closed:
             return False
-        if self.max_slots is None and self.max_bytes is None and self._shm_room is None:
+        if self.max_slots is None and self.max_bytes is None and self._shm_room is None and self._shm_slots is None:
             return True
         return self._within_users_cap() and self._shm_room_left() > 0
 
@@ -312,10 +354,16 @@ class Ring:
     def _shm_room_left(self) -> int:
         """How many more slots the room in /dev/shm takes (NOTE [ A ring fitted to /dev/shm ]):
         past the segments alive and those granted to be made by workers."""
-        if self._shm_room is None or not self.slot_bytes:
-            return self.depth
-        _count, nbytes = self._live()
-        return max(0, (self._shm_room - nbytes) // self.slot_bytes - self._dispatched_uncreated())
+        left = self.depth
+        if self._shm_room is None and self._shm_slots is None:
+            return left
+        count, nbytes = self._live()
+        uncreated = self._dispatched_uncreated()
+        if self._shm_room is not None and self.slot_bytes:
+            left = max(0, (self._shm_room - nbytes) // self.slot_bytes - uncreated)
+        if self._shm_slots is not None:
+            left = min(left, max(0, self._shm_slots - count - uncreated))
+        return left
 
     # -- the main process's side of the lifecycle ------------------------------------------
 
@@ -375,7 +423,8 @@ class Ring:
         user's cap allows: spares count against it from the moment they are asked for."""
         if not self._spares_on or not self.slot_bytes or self._closed:
             return
-        if self.max_slots is not None or self.max_bytes is not None or self._shm_room is not None:
+        if (self.max_slots is not None or self.max_bytes is not None or self._shm_room is not None
+                or self._shm_slots is not None):
             live, nbytes = self._live()
             room = min(count, self._shm_room_left())
             if self.max_slots is not None:
@@ -423,16 +472,29 @@ class Ring:
                 "with .clone()), raise the cap, or leave it unset to let held batches take what "
                 "they need")
 
-    def make_room(self) -> None:
-        """The loop would wait forever for a slot (only possible under a user's cap): collect
-        garbage once (reference cycles may hold dead batches), then raise RingFullError."""
+    def make_room(self, spill=None) -> None:
+        """The loop would wait forever for a slot (under a user's cap, or in a ring fitted to
+        /dev/shm): collect garbage once (reference cycles may hold dead batches), then move
+        batches that wait for their turn out of their slots while `spill()` can (NOTE [ Batches
+        that wait for their turn ] in scheduler.py), then raise RingFullError (ShmCapacityError)."""
         if self.can_take():
             return
         gc.collect()
         if self.can_take():
             return
+        while spill is not None and spill():
+            if self.can_take():
+                return
         if self._within_users_cap():  # the room in /dev/shm is what is missing
             count, nbytes = self._live()
+            if self._shm_slots is not None and self._shm_slots < MIN_FITTED_SLOTS:
+                slot_bytes = self.slot_bytes or self._no_room[0]
+                raise ShmCapacityError(
+                    MIN_FITTED_SLOTS * slot_bytes, self._shm_slots * slot_bytes + self._no_room[1],
+                    shm_segment.SHM_DIR,
+                    f"the ring (at least {MIN_FITTED_SLOTS} slots of {slot_bytes} bytes: the batch in "
+                    f"the loop's hand and the next one; /dev/shm had room for {self._shm_slots} when the workers "
+                    "made their first slots)")
             raise ShmCapacityError(
                 nbytes + (self.slot_bytes or 0), self._shm_room or 0, shm_segment.SHM_DIR,
                 f"one more ring slot of {self.slot_bytes} bytes, while the training loop holds "
@@ -523,6 +585,21 @@ class Ring:
         descriptor = segment.read(desc_offset, desc_bytes)
         return _ring.SlotLease(segment, slot, generation, sequence, on_release), descriptor, payload_end
 
+    def copy_out(self, slot: int, generation: int, sequence: int) -> tuple[bytearray, bytes, int] | None:
+        """(a private copy of the leased `slot`'s payload, its descriptor, its payload end) if it
+        still holds batch `sequence` at `generation`, else None (NOTE [ Batches that wait for
+        their turn ] in scheduler.py)."""
+        segment = self._segments[slot]
+        if segment is None or self._states[slot] != _LEASED or self._generations[slot] != generation:
+            return None
+        (_magic, _version, _state, _capacity, _generation, _writer, seq, desc_bytes, payload_end,
+         desc_offset) = segment.header()
+        if seq != sequence or payload_end != self._leased_ends[slot]:
+            return None
+        with memoryview(segment) as view:
+            private = bytearray(view[:payload_end])
+        return private, segment.read(desc_offset, desc_bytes), payload_end
+
     def _follow(self, payload_end: int) -> None:
         """Shrink the size of new slots, and drop free slots far above it, once a whole window of
         batches has needed much less (NOTE [ Slot size follows the batches ])."""
@@ -599,7 +676,7 @@ class Ring:
         held_bytes = sum(held)
         busy = sum(s.size for slot, s in enumerate(self._segments) if s is not None and self._states[slot] != _FREE)
         return RingStats(
-            slots=self.depth,
+            slots=self.working_depth(),
             allocated_slots=len(allocated),
             slot_bytes=self.slot_bytes or 0,
             ring_bytes=sum(s.size for s in allocated) + self._spares.reserved_bytes(),

@@ -78,6 +78,7 @@ import torch
 
 from . import heap, layout, torch_private
 from ._ring import SlotArena
+from .errors import NoRoomForSlot
 from .rows import IN_PLACE_MIN_BYTES
 
 LEARN_BATCHES = 2  # custom collate_fn: batches watched for samples passed through
@@ -159,7 +160,11 @@ class SamplesInSlot:
         if grant is None:
             return False
         self.grant = grant
-        self.segment, self.fresh = worker.segment_for(grant, self.target.total_bytes)
+        try:
+            self.segment, self.fresh = worker.segment_for(grant, self.target.total_bytes)
+        except NoRoomForSlot:  # handed back (NOTE [ No room for a worker's first slot ] in worker.py)
+            self.grant = None
+            return False
         return True
 
     @property
@@ -250,7 +255,11 @@ class SamplesInArena:
                 if self.grant is not None:
                     _, _, capacity, hint = self.grant
                     known = capacity or hint
-                    self.arena, self.fresh = worker.slot_arena(self.grant, 0 if known else guess or 0)
+                    try:
+                        self.arena, self.fresh = worker.slot_arena(self.grant, 0 if known else guess or 0)
+                    except NoRoomForSlot:  # handed back (NOTE [ No room for a worker's first slot ])
+                        self.grant = None
+                        return None
                     self.guessed = self.fresh is not None and not known
             return self.arena
 

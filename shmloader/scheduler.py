@@ -60,12 +60,24 @@ NOTE [ Slots the loop gives back ]
   worker's batches come in order, so it has none queued).  Without this, a worker running ahead
   of the other by a few samples made a slot more than is in flight: 4 slots where 3 do, 256 MiB
   more for batches of 256 MiB.
+
+NOTE [ Batches that wait for their turn ]
+  Granting in order keeps the earliest batch first, but not before the ring knows its slot size:
+  then each worker makes its first slot itself, at once, and in a /dev/shm fitted to fewer slots
+  than workers the one that finds no room may be the worker of the batch the loop waits for
+  (NOTE [ No room for a worker's first slot ] in worker.py).  Its slot went to later batches,
+  which wait in the reorder buffer for it: every slot is taken, the loop waits for a batch that
+  can get none.  Before that is an error (`check_not_starved`), the latest such batch is read
+  again from a private copy of its slot and its slot's views dropped (`spill`): the slot frees,
+  the awaited batch gets it, and the moved batch is delivered in turn from the heap, as torch's
+  pickled batches are.  A copy of one batch, only where the loop would otherwise fail; never for
+  slots page-locked for pin_memory.
 """
 
 from __future__ import annotations
 
 from . import layout
-from .protocol import Forget, Grant, Ready
+from .protocol import Forget, Grant, NoRoom, Ready
 from .ring import CONSUMER_SLOTS, Ring
 
 GRANTS_PER_WORKER = 2  # the slot being written + one to go on with (small slots only)
@@ -144,6 +156,14 @@ class SlotScheduler:
             ring.unassign(slot)
             return None
         return self.deliver(slot, message.idx)
+
+    def no_room(self, worker_id: int, message: NoRoom) -> None:
+        """A worker found no room in /dev/shm for its granted slot's first segment and handed the
+        grant back: the ring is fitted to the segments alive and on their way (NOTE [ No room for
+        a worker's first slot ] in worker.py); the worker's task gets another slot in turn."""
+        self._grants[worker_id].discard(message.slot)
+        self.ring.no_room(message.slot, message.generation, message.needed, message.free)
+        self.grant_in_order()
 
     def deliver(self, slot: int, idx: int, restore=None):
         """Lease a READY slot holding batch `idx` and read the batch from it (views on the slot);
@@ -262,16 +282,30 @@ class SlotScheduler:
         """Whether a slot is worth a worker's wait (NOTE [ Slots the loop gives back ])."""
         return (self.ring.slot_bytes or 0) > AHEAD_MAX_SLOT_BYTES
 
-    def check_not_starved(self) -> None:
-        """Raise RingFullError if no worker with work can ever get a slot: every one that owes a
-        result has no grant, and the ring can neither free nor detach one (a user's cap)."""
+    def check_not_starved(self, spill=None) -> None:
+        """Raise RingFullError (ShmCapacityError) if no worker with work can ever get a slot:
+        every one that owes a result has no grant, and the ring can neither free nor detach one
+        (a user's cap, or the room in /dev/shm), not even when `spill()` moves a batch that waits
+        for its turn out of its slot (NOTE [ Batches that wait for their turn ])."""
         owing = set(self._owed.values())
         if not owing or any(self._grants[w] for w in owing):
             return
         if self._pinner is not None:
             self._pinner.pump(wait=True)  # slots waiting for their copies' fence come back
-        self.ring.make_room()  # collects garbage once, raises if still full
+        self.ring.make_room(spill)  # collects garbage once, raises if still full
         self.grant_in_order()
+
+    def spill(self, slot: int, generation: int, idx: int):
+        """Batch `idx`, read again from a private copy of `slot` (of `generation`), whose lease
+        then dies with the old batch's views; None where the slot no longer holds it, or where
+        slots are page-locked (a copy would not be)."""
+        if self._pinner is not None:
+            return None
+        found = self.ring.copy_out(slot, generation, idx)
+        if found is None:
+            return None
+        private, descriptor, payload_end = found
+        return layout.read_batch(private, descriptor, payload_end)
 
     @property
     def wakeup_fd(self) -> int:

@@ -43,7 +43,7 @@ from . import heap, layout, protocol, torch_private
 from ._ring import SlotArena
 from .arena import SlotTensorMode, empty_tensor
 from .channel import Channel, ChannelClosed
-from .errors import ShmCapacityError, SlotProtocolError
+from .errors import NoRoomForSlot, ShmCapacityError, SlotProtocolError
 from .ownership import close_parent_only_in_child, freeze_inherited_objects
 from .protocol import (
     AWAITING_SLOT,
@@ -62,6 +62,7 @@ from .protocol import (
     Fatal,
     Forget,
     Grant,
+    NoRoom,
     Ready,
     Resume,
     Resumed,
@@ -123,6 +124,15 @@ GUESS_MAX_WASTE = 2
 #   segment stays mapped, with what is kept, for as long as it lives.  Once written, a slot whose
 #   arena still has a live block is left to its keeper the same way (`_move_batch`).  Rows in
 #   place are never written, so a kept one is safe until then.
+# NOTE [ No room for a worker's first slot ]
+#   Until the first batch has taught the ring its slot size, each worker makes the segment of the
+#   slot it was granted, all at once: in a small /dev/shm (a container's 64 MiB) with more workers
+#   than slots fit, some find no room where torch, which keeps in /dev/shm only the batches that
+#   exist, would run.  Such a worker does not fail: it hands the grant back (NoRoom, with what it
+#   needed and what was free), goes on with its batch on the heap, and waits for a slot that has a
+#   segment; the main process fits the ring to the segments alive and on their way then (NOTE [ A
+#   ring fitted to /dev/shm ] in ring.py).  Only a slot that has no segment yet is handed back: a
+#   slot too small for a larger batch, whose growth finds no room, is the batch's error as before.
 # A slot made for a custom collate_fn's batch holds the batch laid out compactly plus
 # `arena_slack`: the same arrays born in the arena take up to ARENA_BLOCK_SLACK more bytes each (a
 # 64-byte size prefix, 64-byte alignment), and a few small dead temporaries (the arena never
@@ -555,7 +565,10 @@ class _Worker:
                     stage = self._enter(AWAITING_SLOT, idx)
                     grant = self._next_grant(idx)
                     guess = first_slot_guess(samples) if not (grant[2] or grant[3]) else 0
-                    arena, fresh = self.slot_arena(grant, guess)
+                    try:
+                        arena, fresh = self.slot_arena(grant, guess)
+                    except NoRoomForSlot:  # handed back: collated on the heap, a slot found later
+                        grant = None
                     guessed = fresh is not None and guess > 0
             stage = self._enter(COLLATING, idx)
             if spec.collate_mode == COLLATE_INTO_SLOT:
@@ -608,12 +621,14 @@ class _Worker:
                 needed = plan.total_bytes
                 if spec.collate_mode == COLLATE_CUSTOM:  # room for the arena's block prefixes
                     needed += arena_slack(plan)
-                wanted = slot_capacity(needed, current, hint)
-                grown = create_segment(
-                    wanted, granted + 1,
-                    f"slot {slot} of the ring ({spec.ring_depth} slots)",
-                )
-                segment, generation = grown, granted + 1
+                held, grant = grant, None  # _segment_for_batch's: it keeps what it holds on an error
+                grant, grown = self._segment_for_batch(held, needed, current, idx)
+                slot, granted, capacity, hint = grant
+                if grown is None:  # another grant, whose segment is large enough
+                    segment, generation = self.segments[slot][1], granted
+                else:
+                    segment, generation = grown, granted + 1
+                stage = self._enter(WRITING, idx)
             if sources_in_slot:  # NOTE [ Arrays kept across batches ]
                 plan, batch = layout.settle_plan(segment, plan), None
                 if self._keeps_arrays_in(segment, plan, arena if in_arena else None, in_slot):
@@ -676,6 +691,25 @@ class _Worker:
                     slot, generation, _capacity, hint = self.grants.popleft()
                     self.grants.appendleft((slot, generation, 0, hint))  # a new segment when used
 
+    def _segment_for_batch(self, grant, needed: int, current: int, idx: int):
+        """(the grant, a new segment for its slot of at least `needed` bytes), or (another
+        grant, None) whose slot's segment holds `needed`: where /dev/shm has no room for the
+        granted slot's first segment, the worker waits for another grant (NOTE [ No room for a
+        worker's first slot ]).  On an error the grant it holds then is the worker's again."""
+        while True:
+            try:
+                return grant, self.new_segment(grant, slot_capacity(needed, current, grant[3]))
+            except NoRoomForSlot:  # handed back
+                self._enter(AWAITING_SLOT, idx)
+                grant = self._next_grant(idx)
+                capacity = grant[2]
+                if capacity >= needed:
+                    return grant, None
+                current = capacity
+            except BaseException:
+                self.grants.appendleft(grant)
+                raise
+
     def _keeps_arrays_in(self, segment, plan, arena, in_slot) -> bool:
         """Whether the dataset or the collate_fn keeps an array born in `segment` where the settled
         `plan` would write (NOTE [ Arrays kept across batches ]): the batch's own references are
@@ -708,9 +742,22 @@ class _Worker:
             return self.segments[slot][1], None
         if not (hint or min_bytes):
             return None, None
-        fresh = create_segment(slot_capacity(min_bytes, capacity, hint), generation + 1,
-                               f"slot {slot} of the ring ({self.spec.ring_depth} slots)")
+        fresh = self.new_segment(grant, slot_capacity(min_bytes, capacity, hint))
         return fresh, fresh
+
+    def new_segment(self, grant: tuple[int, int, int, int], capacity: int):
+        """A new segment of `capacity` bytes for the granted slot (its generation + 1).  Where
+        /dev/shm has no room for it and the slot has no segment yet, the grant goes back to the
+        main process and NoRoomForSlot is raised (NOTE [ No room for a worker's first slot ])."""
+        slot, generation, current, _hint = grant
+        try:
+            return create_segment(capacity, generation + 1,
+                                  f"slot {slot} of the ring ({self.spec.ring_depth} slots)")
+        except ShmCapacityError as exc:
+            if current:  # the slot's segment is too small for this batch: nothing to wait for
+                raise
+            self.channel.send(NoRoom(slot, generation, exc.needed, exc.free))
+            raise NoRoomForSlot(slot) from exc
 
     def _move_batch(self, kept, slot: int, generation: int, end: int, idx: int):
         """The collate_fn kept arrays born in `kept` (a cache): leave that segment to them and

@@ -7,7 +7,11 @@ CASE "construct": a ring of which not even 2 slots (slot_bytes) fit; "learnt": a
 learnt from the first batch does not fit whole (6 slots of 3 MiB in 16 MiB), where torch runs:
 fitted to /dev/shm; "learnt-too-big": one whose first batch teaches a slot of which 2 do not fit;
 "grow": one batch much larger than its slot, too large to fit; "fits": a ring learnt from the
-first batch that just fits (4 workers: 10 slots of 1.5 MiB in 16 MiB).
+first batch that just fits (4 workers: 10 slots of 1.5 MiB in 16 MiB); "first-slots": 4
+workers whose first slots (4 MiB, a numpy collate) do not all fit, made at once before the ring
+knows its slot size, where torch runs; "first-slots-default": the same with torch's
+default_collate; "first-slots-late": the same, worker 0 the last to make its first slot, so that
+the batch the loop waits for is the one that finds no room.
 """
 
 from __future__ import annotations
@@ -16,10 +20,11 @@ import gc
 import json
 import os
 import sys
+import time
 import warnings
 
 import numpy as np
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, get_worker_info
 
 from shmloader import ShmCapacityWarning, ShmDataLoader
 from tests.conftest import child_pids, mapped_segments, wait_until
@@ -41,6 +46,24 @@ class Sized(Dataset):
         return np.full(n, i % 251, dtype=np.uint8)
 
 
+class LateFirst(Sized):
+    """Sized, but worker 0 sleeps before its first sample: the other workers make their first
+    slots before it makes its own."""
+
+    slept = False
+
+    def __getitem__(self, i: int):
+        info = get_worker_info()
+        if info is not None and info.id == 0 and not LateFirst.slept:
+            LateFirst.slept = True
+            time.sleep(1.0)
+        return super().__getitem__(i)
+
+
+def stack(samples):
+    return np.stack(samples)
+
+
 def _used() -> int:
     st = os.statvfs("/dev/shm")
     return (st.f_blocks - st.f_bfree) * st.f_frsize
@@ -59,6 +82,10 @@ def run(case: str) -> dict:
     elif case == "grow":
         loader = ShmDataLoader(Sized(64 * 1024, big=40 * MiB, big_at=9), batch_size=1,
                                collate_fn=lambda samples: samples[0], slot_bytes=MiB, **kw)
+    elif case.startswith("first-slots"):
+        dataset = LateFirst(MiB) if case == "first-slots-late" else Sized(MiB)
+        collate = {} if case == "first-slots-default" else {"collate_fn": stack}
+        loader = ShmDataLoader(dataset, batch_size=4, **dict(kw, num_workers=4), **collate)
     else:
         raise SystemExit(f"unknown case {case!r}")
     result: dict = {"total": os.statvfs("/dev/shm").f_blocks * os.statvfs("/dev/shm").f_frsize, "batches": 0}
@@ -76,6 +103,8 @@ def run(case: str) -> dict:
             del exc
     result["warnings"] = [str(w.message) for w in caught if issubclass(w.category, ShmCapacityWarning)]
     result["sums"] = sums
+    stats = loader.stats()
+    result["spilled"] = stats.spilled_batches if stats is not None else None
     del loader
     gc.collect()
     wait_until(lambda: not child_pids() and not mapped_segments(), 10.0)

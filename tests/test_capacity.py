@@ -141,13 +141,16 @@ def test_learnt_slot_size_of_which_two_slots_do_not_fit_fails_cleanly(small_shm)
 @pytest.mark.timeout(60)
 def test_a_first_batch_with_no_room_for_its_slot_says_the_slot_failed_not_the_dataset(small_shm):
     """The slot is made where the batch first needs it, often while its samples are fetched
-    into it: the error named the dataset's __getitem__ as what was running."""
+    into it: the error named the dataset's __getitem__ as what was running.  The worker hands
+    the slot back (NOTE [ No room for a worker's first slot ]); with room for none, the loop's
+    error says that the ring's first slots found no room, with the sizes."""
     loader = ShmDataLoader(Sized(MiB), batch_size=9, num_workers=1, multiprocessing_context="fork")
     with pytest.raises(ShmCapacityError) as info:
         for batch in loader:
             del batch
     message = str(info.value)
-    assert "creating the shared-memory slot for its batch" in message, message
+    assert "room for 0 when the workers made their first slots" in message, message
+    assert info.value.needed >= 2 * 9 * MiB, message
     assert "dataset __getitem__" not in message, message
     _assert_actionable(message, info.value.needed, info.value.free)
 
@@ -253,6 +256,27 @@ def test_small_tmpfs_ring_that_just_fits_runs():
     first was adopted, the check counted them twice and refused the ring (Ring._check_fits)."""
     r = _probe("fits")
     assert r["batches"] == 64 and "type" not in r, r
+
+
+def _torch_sums(batch_size: int) -> list[int]:
+    return [MiB * sum(i % 251 for i in range(b, min(b + batch_size, 64))) for b in range(0, 64, batch_size)]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("case", ["first-slots", "first-slots-default", "first-slots-late"])
+def test_small_tmpfs_first_slots_that_do_not_all_fit_run_fitted(case):
+    """4 workers each make their first 4 MiB slot at once, before the ring knows its size; 3 fit
+    in 16 MiB.  torch runs there (a numpy collate's batches are pickled): the worker that finds
+    no room hands its slot back and waits for one (NOTE [ No room for a worker's first slot ]),
+    instead of failing; every batch is torch's, with one warning."""
+    r = _probe(case)
+    assert r["batches"] == 16 and "type" not in r, r
+    assert r["sums"] == _torch_sums(4)
+    assert len(r["warnings"]) == 1 and "room for 3 of the ring's 10 slots" in r["warnings"][0], r["warnings"]
+    if case == "first-slots-late":
+        # worker 0's batch 0 found no room, and its slot went to batches 1-3, which wait for it:
+        # one of them is moved out of its slot (NOTE [ Batches that wait for their turn ])
+        assert r["spilled"] >= 1, r
 
 
 @pytest.mark.timeout(120)
@@ -450,3 +474,72 @@ def test_a_ring_check_waits_for_the_spare_being_made(monkeypatch):
         assert len(fitted) == 1 and "room for 4 of the ring's 6 slots" in fitted[0], fitted
     finally:
         case.close()
+
+
+# -- a worker's first slot with no room (NOTE [ No room for a worker's first slot ]) ---------------
+
+
+def test_a_slot_handed_back_for_want_of_room_fits_the_ring_to_what_is_alive_and_on_its_way(monkeypatch):
+    """Two first segments made (one adopted, one on its way), a third grant handed back: the ring
+    takes no more than those two, says so once, and grants no slot to make."""
+    case = _TwoFirstSegmentsMade(monkeypatch, free_slots=10)
+    try:
+        case.adopt(0)
+        slot = case.ring.take_free_slot()
+        assert case.ring.task_geometry(slot)[1] == 0  # granted to be made
+        case.free_slots = 0.5
+        fitted = _fitted_warnings(lambda: case.ring.no_room(slot, case.ring.task_geometry(slot)[0],
+                                                            case.size, case.size // 2))
+        assert len(fitted) == 1 and "room for 2 of the ring's 6 slots" in fitted[0], fitted
+        assert case.ring._shm_room_left() == 0 and not case.ring.can_take()
+        assert case.ring.stats().slots == 2
+        case.adopt(1)
+        assert case.ring._shm_room_left() == 0 and case.ring.working_depth() == 2
+        _publish(case.ring, case.made[1][0], 1)
+        lease, _descriptor, _end = case.ring.lease(case.made[1][0], 1, case.ring.release_callback())
+        assert not case.ring.can_take()
+        del lease  # the loop gives the slot back: it is granted again, no new one made
+        assert case.ring.can_take() and case.ring.has_free_created_slot()
+        with pytest.raises(Exception, match="handed back slot"):
+            case.ring.no_room(slot, 0, case.size, 0)  # free now: a protocol error
+    finally:
+        case.close()
+
+
+def test_first_slots_with_room_for_fewer_than_two_fail_at_the_wait_with_the_sizes(monkeypatch):
+    case = _TwoFirstSegmentsMade(monkeypatch, free_slots=10)
+    try:
+        case.ring.unassign(case.made[1][0])
+        case.ring.no_room(case.made[0][0], 0, case.size, case.size // 2)  # nothing alive
+        with pytest.raises(ShmCapacityError) as info:
+            case.ring.make_room()
+        message = str(info.value)
+        assert "room for 0 when the workers made their first slots" in message, message
+        assert info.value.needed == 2 * case.size
+        _assert_actionable(message, info.value.needed, info.value.free)
+    finally:
+        case.close()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("collate", ["numpy", "default"])
+def test_workers_whose_first_slots_do_not_all_fit_run_fitted(small_shm, collate):
+    """4 workers make their first 2 MiB slot at once in 8 MiB, where 3 fit (torch runs there
+    with a numpy collate): the same batches as torch, one warning, never more alive than the room
+    (the same for real on a tmpfs: test_small_tmpfs_first_slots_that_do_not_all_fit_run_fitted)."""
+    kwargs = dict(batch_size=2, num_workers=4, prefetch_factor=2, multiprocessing_context="fork")
+    if collate == "numpy":
+        kwargs["collate_fn"] = np.stack
+    loader = ShmDataLoader(Sized(MiB), **kwargs)
+    sums, most = [], 0
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", ShmCapacityWarning)
+        for batch in loader:
+            sums.append(int(batch.sum()))
+            most = max(most, _alive_bytes(loader))
+            del batch
+    fitted = [str(w.message) for w in caught if issubclass(w.category, ShmCapacityWarning)]
+    assert len(fitted) == 1 and "room for 3 of the ring's 10 slots" in fitted[0], fitted
+    torch_sums = [int(b.sum()) for b in torch.utils.data.DataLoader(Sized(MiB), batch_size=2)]
+    assert sums == torch_sums
+    assert most <= small_shm, (most, small_shm)

@@ -36,6 +36,7 @@ EXAMPLES = [
     protocol.Rows(0, 3, 2, 1, 1 << 20, 128, 32, [4, 5, 6]),
     protocol.RowsDone(0, 3, 16, 16 * 1200000),
     protocol.Kept(2, 5, 4096, b"\x00\x01" * 8),
+    protocol.NoRoom(3, 0, 20 << 20, 5 << 20),
 ]
 
 

@@ -5,7 +5,8 @@ leftovers; s/batch, median [min-max] over interleaved rounds.
     sudo python tools/small_shm.py [--shm-mib 64] [--rounds 3]
 
 The workload: 48 samples of 5 MiB uint8 after a 2 ms sleep, batch 4 (20 MiB), a loop that reads
-every 4096th byte and sleeps 10 ms per batch (README, "Shared-memory capacity").
+every 4096th byte and sleeps 10 ms per batch (README, "Shared-memory capacity"); torch's
+default_collate, or `"collate": "numpy"`: collate_fn=np.stack.
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ import sys
 import time
 import warnings
 
-CONFIGS = ({"num_workers": 1}, {"num_workers": 2, "prefetch_factor": 1}, {"num_workers": 2})
+CONFIGS = ({"num_workers": 1}, {"num_workers": 2, "prefetch_factor": 1}, {"num_workers": 2},
+           {"num_workers": 4}, {"num_workers": 4, "collate": "numpy"})
 
 
 def one_run(kwargs: dict, which: str) -> dict:
@@ -39,6 +41,9 @@ def one_run(kwargs: dict, which: str) -> dict:
 
     cls = DataLoader if which == "torch" else ShmDataLoader
     out = {"which": which, "kwargs": kwargs}
+    kwargs = dict(kwargs)
+    if kwargs.pop("collate", None) == "numpy":  # what users write; torch pickles its batches
+        kwargs["collate_fn"] = np.stack
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         start, batches = time.perf_counter(), 0
