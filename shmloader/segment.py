@@ -14,13 +14,19 @@ NOTE [ Segments ]
   are reserved with posix_fallocate when it is created, so a /dev/shm that is too small is a
   ShmCapacityError then, never a SIGBUS in a worker later.  Its header (csrc/ring.h) carries a
   magic number, the ABI version, its capacity and its generation, which each side checks.
+  A posix_fallocate that fails on tmpfs holds the pages it got until it gives them all back, so
+  processes that reserve at once (the workers' first slots) can fail where each alone fits: one
+  that fails while /dev/shm, read again a moment later, has room for it tries again
+  (CREATE_TRIES in all).
 """
 
 from __future__ import annotations
 
 import errno
 import os
+import random
 import secrets
+import time
 
 import posix_ipc
 
@@ -31,6 +37,8 @@ from .interrupts import ctrl_c_held
 SHM_DIR = "/dev/shm"
 PAGE = os.sysconf("SC_PAGE_SIZE")
 MIN_HEADROOM = 64 * 1024
+CREATE_TRIES = 4  # NOTE [ Segments ]: a reservation that failed for another's failed one
+RETRY_PAUSE_SECONDS = 0.002  # and a pause (1-2x, jittered) for those to give their pages back
 
 
 def page_round(nbytes: int) -> int:
@@ -62,13 +70,23 @@ def create_segment(capacity: int, generation: int, what: str = "a ring slot",
     free = shm_free_bytes()
     if capacity > free:  # fail before posix_fallocate briefly fills /dev/shm for everyone else
         raise ShmCapacityError(capacity, free, SHM_DIR, what)
-    with ctrl_c_held():  # NOTE [ Segments ], NOTE [ Ctrl-C held ] in interrupts.py
-        segment = _create(capacity, free, what, populate)
+    for tries_left in range(CREATE_TRIES - 1, -1, -1):
+        try:
+            with ctrl_c_held():  # NOTE [ Segments ], NOTE [ Ctrl-C held ] in interrupts.py
+                segment = _create(capacity, what, populate)
+            break
+        except ShmCapacityError as exc:
+            if not tries_left:
+                raise
+            time.sleep(RETRY_PAUSE_SECONDS * (1 + random.random()))  # others' failed ones give back
+            free = shm_free_bytes()
+            if free < capacity:  # there is no room, not only for a moment
+                raise ShmCapacityError(capacity, free, SHM_DIR, what) from exc.__cause__
     segment.init_header(generation)
     return segment
 
 
-def _create(capacity: int, free: int, what: str, populate: bool) -> _ring.Segment:
+def _create(capacity: int, what: str, populate: bool) -> _ring.Segment:
     name = "/shmloader-" + secrets.token_hex(16)
     mem = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=0o600)
     try:
@@ -83,7 +101,8 @@ def _create(capacity: int, free: int, what: str, populate: bool) -> _ring.Segmen
     except OSError as exc:
         os.close(fd)
         if exc.errno in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG):
-            # free again: read before, it may have been taken since by another process's segment
-            raise ShmCapacityError(capacity, min(free, shm_free_bytes()), SHM_DIR, what) from exc
+            # free again: read before, it may have been taken since by another process's segment,
+            # or held for a moment by another's failing posix_fallocate
+            raise ShmCapacityError(capacity, shm_free_bytes(), SHM_DIR, what) from exc
         raise
     return segment

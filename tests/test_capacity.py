@@ -19,6 +19,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 import warnings
 
 import numpy as np
@@ -479,6 +480,19 @@ def test_a_ring_check_waits_for_the_spare_being_made(monkeypatch):
 # -- a worker's first slot with no room (NOTE [ No room for a worker's first slot ]) ---------------
 
 
+class Staggered(Sized):
+    """Sized, worker k starting its first sample 0.1 s x k late."""
+
+    started = False
+
+    def __getitem__(self, i: int):
+        info = torch.utils.data.get_worker_info()
+        if info is not None and not Staggered.started:
+            Staggered.started = True
+            time.sleep(0.1 * info.id)
+        return super().__getitem__(i)
+
+
 def test_a_slot_handed_back_for_want_of_room_fits_the_ring_to_what_is_alive_and_on_its_way(monkeypatch):
     """Two first segments made (one adopted, one on its way), a third grant handed back: the ring
     takes no more than those two, says so once, and grants no slot to make."""
@@ -526,11 +540,13 @@ def test_first_slots_with_room_for_fewer_than_two_fail_at_the_wait_with_the_size
 def test_workers_whose_first_slots_do_not_all_fit_run_fitted(small_shm, collate):
     """4 workers make their first 2 MiB slot at once in 8 MiB, where 3 fit (torch runs there
     with a numpy collate): the same batches as torch, one warning, never more alive than the room
-    (the same for real on a tmpfs: test_small_tmpfs_first_slots_that_do_not_all_fit_run_fitted)."""
+    (the same for real on a tmpfs: test_small_tmpfs_first_slots_that_do_not_all_fit_run_fitted).
+    The free space seen here falls only once a segment is made, so workers that check it at the
+    same moment would all find room: they start 0.1 s apart."""
     kwargs = dict(batch_size=2, num_workers=4, prefetch_factor=2, multiprocessing_context="fork")
     if collate == "numpy":
         kwargs["collate_fn"] = np.stack
-    loader = ShmDataLoader(Sized(MiB), **kwargs)
+    loader = ShmDataLoader(Staggered(MiB), **kwargs)
     sums, most = [], 0
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", ShmCapacityWarning)
@@ -543,3 +559,46 @@ def test_workers_whose_first_slots_do_not_all_fit_run_fitted(small_shm, collate)
     torch_sums = [int(b.sum()) for b in torch.utils.data.DataLoader(Sized(MiB), batch_size=2)]
     assert sums == torch_sums
     assert most <= small_shm, (most, small_shm)
+
+
+def _reserve_failing(monkeypatch, failures: int) -> list:
+    """posix_fallocate fails with ENOSPC `failures` times (another process's failing reservation
+    holding the pages for a moment), then works."""
+    import errno
+
+    calls = []
+    real = ring_module._ring.reserve
+
+    def reserve(fd, nbytes):
+        calls.append(nbytes)
+        if len(calls) <= failures:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(fd, nbytes)
+
+    monkeypatch.setattr(ring_module._ring, "reserve", reserve)
+    return calls
+
+
+@pytest.mark.timeout(30)
+def test_a_reservation_that_fails_while_there_is_room_is_tried_again(monkeypatch):
+    """Workers making their first slots at once in a small /dev/shm: one's failing posix_fallocate
+    holds pages for a moment, and another failed with room to spare (then handed its slot back
+    and fitted the ring to fewer slots than fit)."""
+    calls = _reserve_failing(monkeypatch, failures=2)
+    segment = create_segment(MiB, 1, "a test segment")
+    try:
+        assert len(calls) == 3 and segment.size == MiB
+    finally:
+        segment.close_fd()
+    assert not [name for name in os.listdir(ring_module.SHM_DIR) if name.startswith("shmloader-")]
+
+
+@pytest.mark.timeout(30)
+def test_a_reservation_that_fails_without_room_is_not_tried_again(monkeypatch):
+    calls = _reserve_failing(monkeypatch, failures=1)
+    frees = iter([8 * MiB, MiB // 2])  # the check before, then the room read again after it failed
+    monkeypatch.setattr(ring_module, "shm_free_bytes", lambda path=None: next(frees, MiB // 2))
+    with pytest.raises(ShmCapacityError) as info:
+        create_segment(2 * MiB, 1, "a test segment")
+    assert len(calls) == 1 and info.value.free == MiB // 2 and info.value.needed == 2 * MiB
+    _assert_actionable(str(info.value), info.value.needed, info.value.free)
