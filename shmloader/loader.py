@@ -98,7 +98,9 @@ class LoaderStats:
     an epoch's end and kept, and epochs whose forecast was wrong (NOTE [ Cross-epoch prefetch ]
     in epochs.py); spilled_batches: batches moved out of their slot to private memory while they
     waited for their turn, because the loop waited for an earlier one that could get no slot
-    (NOTE [ Batches that wait for their turn ] in scheduler.py); timing: where the time goes and the verdict (diagnosis.py;
+    (NOTE [ Batches that wait for their turn ] in scheduler.py); overflow_slots: slots made
+    outside /dev/shm because it was full of batches the loop holds (NOTE [ Overflow slots ] in
+    ring.py); timing: where the time goes and the verdict (diagnosis.py;
     None with SHMLOADER_TIMING=0).  After an epoch (workers stopped, ring closed), the epoch's
     figures, ring_bytes as the epoch left it, but held_segments, held_bytes, reserved_bytes and
     in_use_bytes as they are now: only the batches still held reserve memory then.  print() it
@@ -123,6 +125,7 @@ class LoaderStats:
     forecast_misses: int = 0  # next epochs whose forecast the sampler did not bear out
     slot_shrinks: int = 0
     spilled_batches: int = 0
+    overflow_slots: int = 0
 
     @property
     def control_bytes_per_batch(self) -> float:
@@ -946,6 +949,7 @@ class _ShmLoaderIter(_PoolIter):
             control_messages=pool.control_messages if pool is not None else 0,
             timing=self._timing_stats(), prefetched_next_epoch=self._prefetched_next_epoch,
             forecast_misses=self._forecast_misses, spilled_batches=self._spilled,
+            overflow_slots=ring_stats.overflow_slots,
         )
 
     def _timing_stats(self) -> diagnosis.LoaderTiming | None:

@@ -74,6 +74,16 @@ NOTE [ A ring fitted to /dev/shm ]
   way than at that moment (`_shm_slots`), the same warning says so, and the same
   MIN_FITTED_SLOTS holds (make_room).
 
+NOTE [ Overflow slots ]
+  A fitted ring can be full of batches the loop holds (`list(loader)`, the last few kept):
+  nothing is left to write into, and /dev/shm has no room for more.  torch runs there with a
+  numpy collate_fn (its batches are pickled onto the heap), so before that is an error the ring
+  makes the slot outside /dev/shm instead (`_add_overflow_slot`, a memfd: the kernel's internal
+  tmpfs, which /dev/shm's size does not bound, charged to the process's memory as torch's heap
+  batches are).  Once each, a warning says so.  Such a slot is a slot like any other, but never
+  counted as room in /dev/shm.  Only where a user's cap does not bound the ring (then
+  RingFullError, as before) and where /dev/shm took the ring's first 2 slots (MIN_FITTED_SLOTS).
+
 NOTE [ Slot size follows the batches ]
   The size a new slot gets (`slot_bytes`: a slot made for the first time, one made again after
   its batch was detached, a spare) rises at once with a larger batch, and comes down when a whole
@@ -150,6 +160,7 @@ class RingStats:
     slot_grows: int
     made_ahead: int  # segments made by the spare thread and installed (NOTE [ Spare segments ])
     slot_shrinks: int = 0  # free slots dropped as the slot size shrank (NOTE [ Slot size follows ... ])
+    overflow_slots: int = 0  # slots made outside /dev/shm so far (NOTE [ Overflow slots ])
 
     @property
     def reserved_bytes(self) -> int:
@@ -207,6 +218,8 @@ class Ring:
         self._shm_room: int | None = None  # NOTE [ A ring fitted to /dev/shm ]
         self._shm_slots: int | None = None  # the same, in segments, learnt from a worker's no_room
         self._no_room: tuple[int, int] = (0, 0)  # (needed, free) of the last no_room
+        self._overflow: weakref.WeakSet[_ring.Segment] = weakref.WeakSet()  # NOTE [ Overflow slots ]
+        self._overflow_made = 0
         self._fitted_warned = False
         self._spares = SpareMaker(lambda capacity: create_segment(capacity, 0, "a spare ring slot", populate=False))
         self._spares_on = os.environ.get("SHMLOADER_SPARE_SLOTS", "1") != "0"  # NOTE [ Spare segments ]
@@ -258,7 +271,7 @@ class Ring:
         unsure = on_their_way > 0
         # what our segments hold now, and what is free: low by the segments on their way that
         # /dev/shm has counted already
-        room = sum(s.size for s in allocated) + sum(self._held_segments.values()) + ready + free
+        room = self._shm_bytes() + ready + free
         least = MIN_FITTED_SLOTS * slot_bytes
         if room + on_their_way * slot_bytes < least:
             raise ShmCapacityError(
@@ -268,7 +281,8 @@ class Ring:
             )
         self._shm_room = max(room, least)
         if not unsure:
-            fitted = max(MIN_FITTED_SLOTS, len(allocated) + (ready + free) // slot_bytes)  # < depth here
+            in_shm = sum(1 for segment in allocated if segment not in self._overflow)
+            fitted = max(MIN_FITTED_SLOTS, min(self.depth - 1, in_shm + (ready + free) // slot_bytes))
             self._warn_fitted(fitted, slot_bytes, free)
         return unsure
 
@@ -277,9 +291,11 @@ class Ring:
         if self._fitted_warned:
             return
         self._fitted_warned = True
+        held = self.held() + len(self._held_segments)
         warnings.warn(
             f"shmloader: {shm_segment.SHM_DIR} has room for {fitted} of the ring's {self.depth} "
-            f"slots of {fmt_bytes(slot_bytes)} ({fmt_bytes(free)} free besides its own; the whole "
+            f"slots of {fmt_bytes(slot_bytes)} ({fmt_bytes(free)} free besides its own"
+            f"{f' and the {held} batches the training loop holds' if held > 1 else ''}; the whole "
             f"ring needs {fmt_bytes(self.depth * slot_bytes)}): at most "
             f"{fitted} batches are kept in shared memory at once, so fewer are prefetched than "
             "num_workers x prefetch_factor and loading may be slower. For the whole ring give "
@@ -300,12 +316,14 @@ class Ring:
                 f"{' with a segment' if self._segments[slot] is not None else ''}")
         self._states[slot] = _FREE
         self._free.append(slot)
-        count, _ = self._live()
+        count, _ = self._live_in_shm()
         room = count + self._dispatched_uncreated()
         self._shm_slots = room if self._shm_slots is None else min(self._shm_slots, room)
         self._no_room = (needed, free)
         if room >= MIN_FITTED_SLOTS:  # too few: make_room says so if the loop ever waits on it
-            self._warn_fitted(self._shm_slots, self.slot_bytes or needed, free)
+            held = sum(1 for segment in self._held_segments if segment not in self._overflow)
+            fitted = max(MIN_FITTED_SLOTS, min(self.depth - 1, self._shm_slots - held))
+            self._warn_fitted(fitted, self.slot_bytes or needed, free)
 
     def working_depth(self) -> int:
         """The slots the ring may hold at once: its depth, or fewer where fitted to /dev/shm."""
@@ -315,6 +333,40 @@ class Ring:
         if self._shm_slots is not None:
             depth = min(depth, self._shm_slots)
         return depth
+
+    def _shm_bytes(self) -> int:
+        """What the ring's own slots and the held ones take of /dev/shm (not overflow slots)."""
+        overflow = self._overflow
+        return (sum(s.size for s in self.segments() if s not in overflow)
+                + sum(kept for s, kept in self._held_segments.items() if s not in overflow))
+
+    def _add_overflow_slot(self) -> bool:
+        """Put a segment made outside /dev/shm in a free slot without one (detaching the
+        longest-held batch's if none is free): NOTE [ Overflow slots ]."""
+        if not self.slot_bytes or self._closed:
+            return False
+        empty = [slot for slot in self._free if self._segments[slot] is None]
+        if not empty:
+            if self._free or not self._leased:
+                return False
+            self._detach(next(iter(self._leased)))
+            empty = [self._free[-1]]
+        slot = empty[0]
+        segment = shm_segment.create_overflow_segment(self.slot_bytes, self._generations[slot],
+                                                      f"slot {slot} of the ring")
+        self._segments[slot] = segment
+        self._overflow.add(segment)
+        self._overflow_made += 1
+        if self._overflow_made == 1:
+            warnings.warn(
+                f"shmloader: {shm_segment.SHM_DIR} is full and the training loop holds "
+                f"{self.held() + len(self._held_segments)} batches: further ring slots of "
+                f"{fmt_bytes(self.slot_bytes)} are made outside {shm_segment.SHM_DIR}, in the "
+                "process's memory (as torch's pickled batches are). Keep fewer batches (or a "
+                ".clone() of what you keep), or give the container more shared memory (e.g. "
+                "`docker run --shm-size=8g`).",
+                ShmCapacityWarning, stacklevel=_user_stacklevel())
+        return True
 
     def _dispatched_uncreated(self) -> int:
         """Slots granted to a worker that creates their segment (it may exist already)."""
@@ -333,6 +385,12 @@ class Ring:
         spares = self._spares.pending()
         return (len(ring) + len(held) + spares,
                 sum(s.size for s in ring) + sum(held) + spares * (self.slot_bytes or 0))
+
+    def _live_in_shm(self) -> tuple[int, int]:
+        """_live() without the overflow slots (NOTE [ Overflow slots ])."""
+        count, nbytes = self._live()
+        overflow = list(self._overflow)
+        return count - len(overflow), nbytes - sum(s.size for s in overflow)
 
     def _may_add_segment(self) -> bool:
         """Whether one more segment stays within the user's cap and the room /dev/shm has
@@ -357,7 +415,7 @@ class Ring:
         left = self.depth
         if self._shm_room is None and self._shm_slots is None:
             return left
-        count, nbytes = self._live()
+        count, nbytes = self._live_in_shm()
         uncreated = self._dispatched_uncreated()
         if self._shm_room is not None and self.slot_bytes:
             left = max(0, (self._shm_room - nbytes) // self.slot_bytes - uncreated)
@@ -485,6 +543,10 @@ class Ring:
         while spill is not None and spill():
             if self.can_take():
                 return
+        if self._within_users_cap() and (self._shm_room is not None or self._shm_slots is not None) \
+                and not (self._shm_slots is not None and self._shm_slots < MIN_FITTED_SLOTS) \
+                and self._add_overflow_slot():  # NOTE [ Overflow slots ]
+            return
         if self._within_users_cap():  # the room in /dev/shm is what is missing
             count, nbytes = self._live()
             if self._shm_slots is not None and self._shm_slots < MIN_FITTED_SLOTS:
@@ -687,6 +749,7 @@ class Ring:
             slot_grows=self._slot_grows,
             made_ahead=self._made_ahead,
             slot_shrinks=self._shrunk,
+            overflow_slots=self._overflow_made,
         )
 
     # -- teardown ----------------------------------------------------------------------------

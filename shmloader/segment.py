@@ -86,6 +86,28 @@ def create_segment(capacity: int, generation: int, what: str = "a ring slot",
     return segment
 
 
+def create_overflow_segment(capacity: int, generation: int, what: str) -> _ring.Segment:
+    """A segment outside /dev/shm, for when /dev/shm is full (NOTE [ Overflow slots ] in ring.py):
+    a memfd, on the kernel's internal tmpfs, which /dev/shm's size does not bound; its pages
+    are reserved and charged to the process's memory as heap pages are.  Mapped without
+    populating (the main process makes it)."""
+    capacity = page_round(max(capacity, _ring.HEADER_BYTES))
+    with ctrl_c_held():  # NOTE [ Ctrl-C held ] in interrupts.py: no fd leaked half-made
+        fd = os.memfd_create("shmloader-overflow", os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(fd, capacity)
+            _ring.reserve(fd, capacity)
+            segment = _ring.Segment(fd, capacity, populate=False)
+        except OSError as exc:
+            os.close(fd)
+            if exc.errno in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG):
+                raise MemoryError(f"{what}: no memory for a {capacity}-byte segment outside "
+                                  f"{SHM_DIR} either ({exc.strerror})") from exc
+            raise
+    segment.init_header(generation)
+    return segment
+
+
 def _create(capacity: int, what: str, populate: bool) -> _ring.Segment:
     name = "/shmloader-" + secrets.token_hex(16)
     mem = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=0o600)

@@ -11,7 +11,8 @@ first batch that just fits (4 workers: 10 slots of 1.5 MiB in 16 MiB); "first-sl
 workers whose first slots (4 MiB, a numpy collate) do not all fit, made at once before the ring
 knows its slot size, where torch runs; "first-slots-default": the same with torch's
 default_collate; "first-slots-late": the same, worker 0 the last to make its first slot, so that
-the batch the loop waits for is the one that finds no room.
+the batch the loop waits for is the one that finds no room; "held": a numpy collate (4 MiB
+batches, 2 workers) and a loop that keeps every batch, 64 MiB in all, where torch runs.
 """
 
 from __future__ import annotations
@@ -82,6 +83,8 @@ def run(case: str) -> dict:
     elif case == "grow":
         loader = ShmDataLoader(Sized(64 * 1024, big=40 * MiB, big_at=9), batch_size=1,
                                collate_fn=lambda samples: samples[0], slot_bytes=MiB, **kw)
+    elif case == "held":
+        loader = ShmDataLoader(Sized(MiB), batch_size=4, collate_fn=stack, **kw)
     elif case.startswith("first-slots"):
         dataset = LateFirst(MiB) if case == "first-slots-late" else Sized(MiB)
         collate = {} if case == "first-slots-default" else {"collate_fn": stack}
@@ -89,22 +92,27 @@ def run(case: str) -> dict:
     else:
         raise SystemExit(f"unknown case {case!r}")
     result: dict = {"total": os.statvfs("/dev/shm").f_blocks * os.statvfs("/dev/shm").f_frsize, "batches": 0}
-    sums = []
+    sums, kept = [], []
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", ShmCapacityWarning)
         try:
             for batch in loader:
                 result["batches"] += 1
                 sums.append(int(batch.sum()))  # what torch's batch sums to: checked by the test
-                del batch  # the probe keeps no batch: every slot must be freed at the end
+                if case == "held":
+                    kept.append(batch)
+                del batch  # every slot must be freed at the end
         except Exception as exc:
             result.update(type=type(exc).__name__, mro=[c.__name__ for c in type(exc).__mro__],
                           message=str(exc), needed=getattr(exc, "needed", None), free=getattr(exc, "free", None))
             del exc
     result["warnings"] = [str(w.message) for w in caught if issubclass(w.category, ShmCapacityWarning)]
     result["sums"] = sums
+    result["kept_sums"] = [int(batch.sum()) for batch in kept]
+    del kept
     stats = loader.stats()
     result["spilled"] = stats.spilled_batches if stats is not None else None
+    result["overflow"] = stats.overflow_slots if stats is not None else None
     del loader
     gc.collect()
     wait_until(lambda: not child_pids() and not mapped_segments(), 10.0)

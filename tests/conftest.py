@@ -117,6 +117,11 @@ def mapped_segments(pid: int | str = "self") -> set[str]:
         with open(f"/proc/{pid}/maps") as maps:
             for line in maps:
                 at = line.find("/dev/shm/" + SHM_PREFIX)
+                if at < 0:  # an overflow slot (NOTE [ Overflow slots ] in ring.py): its inode
+                    at = line.find("/memfd:shmloader-overflow")
+                    if at >= 0:
+                        names.add("memfd inode " + line.split()[4])
+                        continue
                 if at >= 0:
                     names.add(line[at:].split()[0])
     except (FileNotFoundError, ProcessLookupError, PermissionError):
