@@ -761,6 +761,7 @@ class _ShmLoaderIter(_PoolIter):
 
             if len(self._task_info[self._rcvd_idx]) == 2:
                 worker_id, data = self._task_info.pop(self._rcvd_idx)
+                self._slot_of.pop(self._rcvd_idx, None)
                 self._rcvd_idx += 1
                 return self._process_data(data, worker_id)
 
@@ -775,10 +776,12 @@ class _ShmLoaderIter(_PoolIter):
             if idx != self._rcvd_idx:
                 if not self._in_order:
                     worker_id = self._task_info.pop(idx)[0]
+                    self._slot_of.pop(idx, None)
                     return self._process_data(data, worker_id)
                 self._task_info[idx] += (data,)
             else:
                 worker_id = self._task_info.pop(idx)[0]
+                self._slot_of.pop(idx, None)
                 self._rcvd_idx += 1
                 return self._process_data(data, worker_id)
 
@@ -961,5 +964,6 @@ class _ShmLoaderIter(_PoolIter):
 
     def _drop_buffered(self) -> None:
         self._task_info = {}  # batches buffered for reordering: never delivered, unmap them
+        self._slot_of = {}
         self._events.clear()
         self._early.clear()

@@ -626,3 +626,32 @@ def test_a_reservation_that_fails_without_room_is_not_tried_again(monkeypatch):
         create_segment(2 * MiB, 1, "a test segment")
     assert len(calls) == 1 and info.value.free == MiB // 2 and info.value.needed == 2 * MiB
     _assert_actionable(str(info.value), info.value.needed, info.value.free)
+
+
+class _LateWorkerZero(Sized):
+    """Sized, worker 0 starting its first sample 1 s late: the others make their first slots
+    first, and batch 0, the one the loop waits for, finds no room."""
+
+    started = False
+
+    def __getitem__(self, i: int):
+        info = torch.utils.data.get_worker_info()
+        if info is not None and info.id == 0 and not _LateWorkerZero.started:
+            _LateWorkerZero.started = True
+            time.sleep(1.0)
+        return super().__getitem__(i)
+
+
+@pytest.mark.timeout(60)
+def test_the_awaited_batch_that_found_no_room_gets_a_slot_from_one_that_waits_for_it(small_shm):
+    """Batches 1-3 took the 3 slots that fit and wait in the reorder buffer for batch 0, which
+    found no room: the latest is copied out of its slot (NOTE [ Batches that wait for their turn ]
+    in scheduler.py) and batch 0 gets the slot, where the loop failed before; torch's batches."""
+    loader = ShmDataLoader(_LateWorkerZero(MiB), batch_size=2, num_workers=4, prefetch_factor=2,
+                           collate_fn=np.stack, multiprocessing_context="fork")
+    batches = iter(loader)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ShmCapacityWarning)
+        sums = [int(batch.sum()) for batch in batches]
+    assert sums == [int(b.sum()) for b in torch.utils.data.DataLoader(Sized(MiB), batch_size=2)]
+    assert batches.stats().spilled_batches >= 1
