@@ -779,6 +779,7 @@ class _ShmLoaderIter(_PoolIter):
                     self._slot_of.pop(idx, None)
                     return self._process_data(data, worker_id)
                 self._task_info[idx] += (data,)
+                del data  # the buffer's now: a spill drops it (NOTE [ Batches that wait ... ] in scheduler.py)
             else:
                 worker_id = self._task_info.pop(idx)[0]
                 self._slot_of.pop(idx, None)

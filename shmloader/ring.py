@@ -320,7 +320,16 @@ class Ring:
         room = count + self._dispatched_uncreated()
         self._shm_slots = room if self._shm_slots is None else min(self._shm_slots, room)
         self._no_room = (needed, free)
-        if room >= MIN_FITTED_SLOTS:  # too few: make_room says so if the loop ever waits on it
+        self._warn_no_room_once_sure()
+
+    def _warn_no_room_once_sure(self) -> None:
+        """no_room's warning, once no other worker's first slot is on its way (it may find no
+        room either: the warning said room for 3 slots of 40 MiB in 32 MiB), and only where the
+        room is MIN_FITTED_SLOTS at least (else make_room's error says so if the loop waits)."""
+        if self._shm_slots is None or self._fitted_warned or self._dispatched_uncreated():
+            return
+        if self._shm_slots >= MIN_FITTED_SLOTS:
+            needed, free = self._no_room
             held = sum(1 for segment in self._held_segments if segment not in self._overflow)
             fitted = max(MIN_FITTED_SLOTS, min(self.depth - 1, self._shm_slots - held))
             self._warn_fitted(fitted, self.slot_bytes or needed, free)
@@ -610,6 +619,7 @@ class Ring:
         elif capacity > self.slot_bytes:
             self.slot_bytes = capacity
         self._check_fits()  # once it fits, a no-op
+        self._warn_no_room_once_sure()
 
     def lease(self, slot: int, sequence: int, on_release) -> tuple[_ring.SlotLease, bytes, int]:
         """Validate a slot a worker reported ready for batch `sequence`; returns its lease, the
