@@ -62,27 +62,27 @@ NOTE [ A ring fitted to /dev/shm ]
   worker: torch runs with 3 of them, a ring of 4 slots does not fit).  So a ring that cannot fit
   whole is not refused: it is fitted to what /dev/shm has room for (`_shm_room`, bytes), never
   more segments alive than that, and a warning says so once, with how to get the whole ring.
-  Fewer batches are then in flight; a grant waits for a slot the loop gives back.  Only a
-  /dev/shm without room for MIN_FITTED_SLOTS slots (the batch in the loop's hand and the next
-  one being written, which torch needs as well) is a ShmCapacityError, at the start; a loop
-  that holds batches until nothing is left to write into gets one then, naming what it holds.
-  The room is counted low while segments are on their way (they may or may not be in what
+  Fewer batches are then in flight; a grant waits for a slot the loop gives back.  Where the
+  loop would wait for good (a /dev/shm without room for MIN_FITTED_SLOTS slots, the batch in
+  the loop's hand and the next one being written; a loop that holds every batch it has room
+  for), further slots are made outside /dev/shm (NOTE [ Overflow slots ]).  The room is counted low while segments are on their way (they may or may not be in what
   /dev/shm has used yet) and counted again at every adoption and every batch leased until sure.
   Before the first batch has taught the slot size, the room is not known: each worker makes its
   first slot at once, and one that finds no room hands its grant back (`no_room`, NOTE [ No room
   for a worker's first slot ] in worker.py); from then on no more segments are alive or on their
-  way than at that moment (`_shm_slots`), the same warning says so, and the same
-  MIN_FITTED_SLOTS holds (make_room).
+  way than at that moment (`_shm_slots`), and the same warning says so once no other first
+  slot is on its way (those may find no room either).
 
 NOTE [ Overflow slots ]
-  A fitted ring can be full of batches the loop holds (`list(loader)`, the last few kept):
+  A fitted ring can be full of batches the loop holds (`list(loader)`, the last few kept), or
+  /dev/shm may have room for fewer than MIN_FITTED_SLOTS slots (64 MiB, batches of 40 MiB):
   nothing is left to write into, and /dev/shm has no room for more.  torch runs there with a
-  numpy collate_fn (its batches are pickled onto the heap), so before that is an error the ring
-  makes the slot outside /dev/shm instead (`_add_overflow_slot`, a memfd: the kernel's internal
+  numpy collate_fn (its batches are pickled onto the heap), so where the loop would wait for
+  good (`make_room`), and only then, the ring makes a slot outside /dev/shm instead (`_add_overflow_slot`, a memfd: the kernel's internal
   tmpfs, which /dev/shm's size does not bound, charged to the process's memory as torch's heap
   batches are).  Once each, a warning says so.  Such a slot is a slot like any other, but never
-  counted as room in /dev/shm.  Only where a user's cap does not bound the ring (then
-  RingFullError, as before) and where /dev/shm took the ring's first 2 slots (MIN_FITTED_SLOTS).
+  counted as room in /dev/shm, and it stays in the ring (reused first, as created slots are)
+  until the ring closes.  Not under a cap the user set (then RingFullError, as before).
 
 NOTE [ Slot size follows the batches ]
   The size a new slot gets (`slot_bytes`: a slot made for the first time, one made again after
@@ -120,7 +120,7 @@ RECENT_PER_SLOT = 1
 RECENT_MIN = 4
 SHRINK_ABOVE = 2
 SPARES_MADE_WAIT_SECONDS = 2.0  # _check_fits: at most this for spares being made
-MIN_FITTED_SLOTS = 2  # NOTE [ A ring fitted to /dev/shm ]: the least room a ring runs in
+MIN_FITTED_SLOTS = 2  # NOTE [ A ring fitted to /dev/shm ]: the least room a ring runs in without overflow
 
 # The main process's view of a slot (the header's state word has WRITING/READY in between).
 _FREE, _DISPATCHED, _LEASED = "free", "granted", "leased"
@@ -233,13 +233,12 @@ class Ring:
     # -- sizing --------------------------------------------------------------------------
 
     def _check_fits(self) -> None:
-        """Fit the ring to /dev/shm if the whole ring at `slot_bytes` cannot fit there, or raise
-        ShmCapacityError now if not even MIN_FITTED_SLOTS slots can (NOTE [ A ring fitted to
-        /dev/shm ]).
+        """Fit the ring to /dev/shm if the whole ring at `slot_bytes` cannot fit there (NOTE [ A
+        ring fitted to /dev/shm ]), with a warning.
 
         Slots are created (and their pages reserved) when first used, by whichever process first
         needs them, so the first batch does not wait for the whole ring to be zeroed; this check
-        makes a /dev/shm that is too small an error at the start, not after some batches.
+        fits the ring at the start, not after some slots found no room.
 
         A slot granted to a worker to create, or a spare being made, is counted as missing, yet
         its segment may exist already and be counted in what /dev/shm has used: a ring that fits
@@ -272,17 +271,10 @@ class Ring:
         # what our segments hold now, and what is free: low by the segments on their way that
         # /dev/shm has counted already
         room = self._shm_bytes() + ready + free
-        least = MIN_FITTED_SLOTS * slot_bytes
-        if room + on_their_way * slot_bytes < least:
-            raise ShmCapacityError(
-                least, room + on_their_way * slot_bytes, shm_segment.SHM_DIR,
-                f"the ring ({self.depth} slots of {slot_bytes} bytes, fitted to /dev/shm: at least "
-                f"{MIN_FITTED_SLOTS} of them)",
-            )
-        self._shm_room = max(room, least)
+        self._shm_room = room  # under MIN_FITTED_SLOTS slots: the rest overflow (make_room)
         if not unsure:
             in_shm = sum(1 for segment in allocated if segment not in self._overflow)
-            fitted = max(MIN_FITTED_SLOTS, min(self.depth - 1, in_shm + (ready + free) // slot_bytes))
+            fitted = min(self.depth - 1, in_shm + (ready + free) // slot_bytes)
             self._warn_fitted(fitted, slot_bytes, free)
         return unsure
 
@@ -324,15 +316,13 @@ class Ring:
 
     def _warn_no_room_once_sure(self) -> None:
         """no_room's warning, once no other worker's first slot is on its way (it may find no
-        room either: the warning said room for 3 slots of 40 MiB in 32 MiB), and only where the
-        room is MIN_FITTED_SLOTS at least (else make_room's error says so if the loop waits)."""
+        room either: the warning said room for 3 slots of 40 MiB in 32 MiB)."""
         if self._shm_slots is None or self._fitted_warned or self._dispatched_uncreated():
             return
-        if self._shm_slots >= MIN_FITTED_SLOTS:
-            needed, free = self._no_room
-            held = sum(1 for segment in self._held_segments if segment not in self._overflow)
-            fitted = max(MIN_FITTED_SLOTS, min(self.depth - 1, self._shm_slots - held))
-            self._warn_fitted(fitted, self.slot_bytes or needed, free)
+        needed, free = self._no_room
+        held = sum(1 for segment in self._held_segments if segment not in self._overflow)
+        fitted = max(0, min(self.depth - 1, self._shm_slots - held))
+        self._warn_fitted(fitted, self.slot_bytes or needed, free)
 
     def working_depth(self) -> int:
         """The slots the ring may hold at once: its depth, or fewer where fitted to /dev/shm."""
@@ -352,7 +342,8 @@ class Ring:
     def _add_overflow_slot(self) -> bool:
         """Put a segment made outside /dev/shm in a free slot without one (detaching the
         longest-held batch's if none is free): NOTE [ Overflow slots ]."""
-        if not self.slot_bytes or self._closed:
+        size = self.slot_bytes or self._no_room[0]  # before any batch: what the worker needed
+        if not size or self._closed:
             return False
         empty = [slot for slot in self._free if self._segments[slot] is None]
         if not empty:
@@ -361,16 +352,16 @@ class Ring:
             self._detach(next(iter(self._leased)))
             empty = [self._free[-1]]
         slot = empty[0]
-        segment = shm_segment.create_overflow_segment(self.slot_bytes, self._generations[slot],
+        segment = shm_segment.create_overflow_segment(size, self._generations[slot],
                                                       f"slot {slot} of the ring")
         self._segments[slot] = segment
         self._overflow.add(segment)
         self._overflow_made += 1
         if self._overflow_made == 1:
             warnings.warn(
-                f"shmloader: {shm_segment.SHM_DIR} is full and the training loop holds "
-                f"{self.held() + len(self._held_segments)} batches: further ring slots of "
-                f"{fmt_bytes(self.slot_bytes)} are made outside {shm_segment.SHM_DIR}, in the "
+                f"shmloader: {shm_segment.SHM_DIR} has no room for another ring slot (the training "
+                f"loop holds {self.held() + len(self._held_segments)} batches): further ring slots of "
+                f"{fmt_bytes(size)} are made outside {shm_segment.SHM_DIR}, in the "
                 "process's memory (as torch's pickled batches are). Keep fewer batches (or a "
                 ".clone() of what you keep), or give the container more shared memory (e.g. "
                 "`docker run --shm-size=8g`).",
@@ -543,7 +534,8 @@ class Ring:
         """The loop would wait forever for a slot (under a user's cap, or in a ring fitted to
         /dev/shm): collect garbage once (reference cycles may hold dead batches), then move
         batches that wait for their turn out of their slots while `spill()` can (NOTE [ Batches
-        that wait for their turn ] in scheduler.py), then raise RingFullError (ShmCapacityError)."""
+        that wait for their turn ] in scheduler.py), then, where /dev/shm is what is missing, make
+        a slot outside it (NOTE [ Overflow slots ]); under a user's cap raise RingFullError."""
         if self.can_take():
             return
         gc.collect()
@@ -553,19 +545,10 @@ class Ring:
             if self.can_take():
                 return
         if self._within_users_cap() and (self._shm_room is not None or self._shm_slots is not None) \
-                and not (self._shm_slots is not None and self._shm_slots < MIN_FITTED_SLOTS) \
                 and self._add_overflow_slot():  # NOTE [ Overflow slots ]
             return
         if self._within_users_cap():  # the room in /dev/shm is what is missing
             count, nbytes = self._live()
-            if self._shm_slots is not None and self._shm_slots < MIN_FITTED_SLOTS:
-                slot_bytes = self.slot_bytes or self._no_room[0]
-                raise ShmCapacityError(
-                    MIN_FITTED_SLOTS * slot_bytes, self._shm_slots * slot_bytes + self._no_room[1],
-                    shm_segment.SHM_DIR,
-                    f"the ring (at least {MIN_FITTED_SLOTS} slots of {slot_bytes} bytes: the batch in "
-                    f"the loop's hand and the next one; /dev/shm had room for {self._shm_slots} when the workers "
-                    "made their first slots)")
             raise ShmCapacityError(
                 nbytes + (self.slot_bytes or 0), self._shm_room or 0, shm_segment.SHM_DIR,
                 f"one more ring slot of {self.slot_bytes} bytes, while the training loop holds "

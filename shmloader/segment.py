@@ -86,12 +86,43 @@ def create_segment(capacity: int, generation: int, what: str = "a ring slot",
     return segment
 
 
+OVERFLOW_MEMORY_MARGIN = 512 << 20  # what an overflow segment leaves of the memory available
+
+
+def memory_available() -> int:
+    """Bytes of memory this process can still take: MemAvailable, or less where its cgroup's
+    limit (v2 memory.max) is closer."""
+    available = 0
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    available = int(line.split()[1]) * 1024
+                    break
+    except (OSError, ValueError):
+        return 0
+    try:
+        with open("/sys/fs/cgroup/memory.max") as limit, open("/sys/fs/cgroup/memory.current") as used:
+            cap = limit.read().strip()
+            if cap != "max":
+                available = min(available, int(cap) - int(used.read().strip()))
+    except (OSError, ValueError):
+        pass
+    return max(0, available)
+
+
 def create_overflow_segment(capacity: int, generation: int, what: str) -> _ring.Segment:
     """A segment outside /dev/shm, for when /dev/shm is full (NOTE [ Overflow slots ] in ring.py):
     a memfd, on the kernel's internal tmpfs, which /dev/shm's size does not bound; its pages
     are reserved and charged to the process's memory as heap pages are.  Mapped without
-    populating (the main process makes it)."""
+    populating (the main process makes it).  ShmCapacityError where it would leave less than
+    OVERFLOW_MEMORY_MARGIN of the memory available (the OOM killer, not an error, would follow)."""
     capacity = page_round(max(capacity, _ring.HEADER_BYTES))
+    available = memory_available()
+    if capacity + OVERFLOW_MEMORY_MARGIN > available:
+        raise ShmCapacityError(capacity, shm_free_bytes(), SHM_DIR,
+                               f"{what} (nor could it be made outside {SHM_DIR}: "
+                               f"{available} bytes of memory available)")
     with ctrl_c_held():  # NOTE [ Ctrl-C held ] in interrupts.py: no fd leaked half-made
         fd = os.memfd_create("shmloader-overflow", os.MFD_CLOEXEC)
         try:

@@ -3,9 +3,10 @@ happened (tests/test_capacity.py runs it inside a private mount namespace over a
 
     python -m tests._capacity_probe CASE
 
-CASE "construct": a ring of which not even 2 slots (slot_bytes) fit; "learnt": a ring whose size
-learnt from the first batch does not fit whole (6 slots of 3 MiB in 16 MiB), where torch runs:
-fitted to /dev/shm; "learnt-too-big": one whose first batch teaches a slot of which 2 do not fit;
+CASE "construct": a ring of which not even 2 slots (slot_bytes) fit (the rest overflow); "learnt":
+a ring whose size learnt from the first batch does not fit whole (6 slots of 3 MiB in 16 MiB),
+where torch runs: fitted to /dev/shm; "learnt-too-big": one whose first batch teaches a slot of
+which 2 do not fit;
 "grow": one batch much larger than its slot, too large to fit; "fits": a ring learnt from the
 first batch that just fits (4 workers: 10 slots of 1.5 MiB in 16 MiB); "first-slots": 4
 workers whose first slots (4 MiB, a numpy collate) do not all fit, made at once before the ring

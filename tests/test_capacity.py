@@ -47,19 +47,25 @@ def _assert_actionable(message: str, needed: int, free: int) -> None:
 # -- asking for more than is free (any machine) ------------------------------------------------
 
 
-@pytest.mark.timeout(30)
-def test_ring_of_which_two_slots_do_not_fit_fails_before_workers_start():
-    free = shm_free_bytes()
-    slot = (free // 2) // 4096 * 4096 + 4096  # 2 slots of > free/2
-    loader = ShmDataLoader(Sized(16), batch_size=2, num_workers=2, prefetch_factor=2, slot_bytes=slot)
-    with pytest.raises(ShmCapacityError) as info:
-        iter(loader)
-    exc = info.value
-    assert isinstance(exc, MemoryError)
-    assert exc.needed == 2 * slot > exc.free and exc.path == ring_module.SHM_DIR
-    _assert_actionable(str(exc), exc.needed, exc.free)
-    assert "6 slots" in str(exc) and "at least 2" in str(exc)
-    assert loader._iterator is None or not loader._iterator._workers
+@pytest.mark.timeout(60)
+def test_a_ring_of_which_two_slots_do_not_fit_runs_with_slots_outside_dev_shm(small_shm):
+    """slot_bytes of 5 MiB in 8 MiB: one slot fits, where torch runs with a numpy collate.  It
+    was refused before any worker started; now the second slot the loop needs is made outside
+    /dev/shm (NOTE [ Overflow slots ]): torch's batches, warnings that say so."""
+    loader = ShmDataLoader(Sized(MiB), batch_size=4, num_workers=2, prefetch_factor=2, slot_bytes=5 * MiB,
+                           collate_fn=np.stack, multiprocessing_context="fork")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", ShmCapacityWarning)
+        batches = iter(loader)
+        sums = []
+        for batch in batches:  # the loop holds its batch while it asks for the next: 2 slots
+            sums.append(int(batch.sum()))
+    del batch
+    assert sums == [int(b.sum()) for b in torch.utils.data.DataLoader(Sized(MiB), batch_size=4)]
+    said = [str(w.message) for w in caught if issubclass(w.category, ShmCapacityWarning)]
+    assert any("room for 1 of the ring's 6 slots" in m for m in said), said
+    assert any("made outside /dev/shm" in m for m in said), said
+    assert batches.stats().overflow_slots >= 1
 
 
 @pytest.mark.timeout(30)
@@ -125,37 +131,32 @@ def test_a_ring_that_does_not_fit_whole_is_fitted_to_the_room_and_gives_torchs_b
 
 
 @pytest.mark.timeout(60)
-def test_learnt_slot_size_of_which_two_slots_do_not_fit_fails_cleanly(small_shm):
+def test_learnt_slot_size_of_which_two_slots_do_not_fit_runs_with_slots_outside_dev_shm(small_shm):
     # staggered: the free space seen here falls only once a segment is made, so two workers that
     # check it at the same moment would both find room, and the ring would run on 2 slots
     loader = ShmDataLoader(Staggered(MiB), batch_size=5, num_workers=2, prefetch_factor=2,
                            multiprocessing_context="fork")
-    with pytest.raises(ShmCapacityError) as info:
-        for batch in loader:
-            del batch
-    exc = info.value
-    assert exc.needed > exc.free
-    # the ring's check at the first adoption, or, where the other worker's segment was on its
-    # way then (the answer open), that worker finding no room for it
-    assert ("the ring (6 slots" in str(exc) and "at least 2" in str(exc)) or "worker" in str(exc), exc
-    _assert_actionable(str(exc), exc.needed, exc.free)
+    batches = iter(loader)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ShmCapacityWarning)
+        sums = [int(batch.sum()) for batch in batches]
+    assert sums == [int(b.sum()) for b in torch.utils.data.DataLoader(Sized(MiB), batch_size=5)]
+    assert batches.stats().overflow_slots >= 1
 
 
 @pytest.mark.timeout(60)
-def test_a_first_batch_with_no_room_for_its_slot_says_the_slot_failed_not_the_dataset(small_shm):
-    """The slot is made where the batch first needs it, often while its samples are fetched
-    into it: the error named the dataset's __getitem__ as what was running.  The worker hands
-    the slot back (NOTE [ No room for a worker's first slot ]); with room for none, the loop's
-    error says that the ring's first slots found no room, with the sizes."""
+def test_a_first_batch_with_no_room_for_its_slot_gets_one_outside_dev_shm(small_shm):
+    """9 MiB batches, 8 MiB of /dev/shm: the worker hands its slot back (NOTE [ No room for a
+    worker's first slot ]) and, with room for none, the ring makes it outside /dev/shm, sized by
+    what the worker needed (it failed with an error that named the dataset's __getitem__, then
+    with 'room for 0')."""
     loader = ShmDataLoader(Sized(MiB), batch_size=9, num_workers=1, multiprocessing_context="fork")
-    with pytest.raises(ShmCapacityError) as info:
-        for batch in loader:
-            del batch
-    message = str(info.value)
-    assert "room for 0 when the workers made their first slots" in message, message
-    assert info.value.needed >= 2 * 9 * MiB, message
-    assert "dataset __getitem__" not in message, message
-    _assert_actionable(message, info.value.needed, info.value.free)
+    batches = iter(loader)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ShmCapacityWarning)
+        sums = [int(batch.sum()) for batch in batches]
+    assert sums == [int(b.sum()) for b in torch.utils.data.DataLoader(Sized(MiB), batch_size=9)]
+    assert batches.stats().overflow_slots >= 1
 
 
 @pytest.mark.timeout(60)
@@ -236,11 +237,11 @@ def _probe(case: str) -> dict:
 
 
 @pytest.mark.timeout(120)
-def test_small_tmpfs_ring_fails_at_construction():
+def test_small_tmpfs_ring_of_which_two_slots_do_not_fit_runs():
+    """slot_bytes of 9 MiB in 16 MiB (refused at construction before overflow slots)."""
     r = _probe("construct")
-    assert r["type"] == "ShmCapacityError" and r["batches"] == 0
-    assert r["needed"] == 2 * 9 * MiB and r["free"] == SMALL_SHM
-    _assert_actionable(r["message"], r["needed"], r["free"])
+    assert r["batches"] == 16 and "type" not in r, r
+    assert r["sums"] == _torch_sums(4), r  # (the probe drops each batch: one slot may do)
 
 
 @pytest.mark.timeout(120)
@@ -254,13 +255,11 @@ def test_small_tmpfs_learnt_ring_that_does_not_fit_whole_runs_fitted():
 
 
 @pytest.mark.timeout(120)
-def test_small_tmpfs_learnt_ring_of_which_two_slots_do_not_fit_fails_at_first_batch():
+def test_small_tmpfs_learnt_ring_of_which_two_slots_do_not_fit_runs():
+    """9 MiB batches in 16 MiB (refused at the first batch before overflow slots)."""
     r = _probe("learnt-too-big")
-    # At the first batch, or the second where the other worker's first segment was not yet made
-    # when the first was adopted (its worker then finds no room and says so).
-    assert r["type"] == "ShmCapacityError" and r["batches"] <= 1, r
-    assert r["needed"] > 9 * MiB and r["free"] < SMALL_SHM + 9 * MiB
-    _assert_actionable(r["message"], r["needed"], r["free"])
+    assert r["batches"] == 8 and "type" not in r, r
+    assert r["sums"] == _torch_sums(9), r  # (the probe drops each batch: one slot may do)
 
 
 @pytest.mark.timeout(120)
@@ -446,16 +445,21 @@ def test_a_spare_made_for_the_last_missing_slot_is_not_counted_as_used_room(monk
         case.close()
 
 
-def test_a_ring_of_which_two_slots_cannot_fit_is_refused_at_once(monkeypatch):
+def test_a_ring_of_which_two_slots_cannot_fit_makes_the_second_outside_dev_shm(monkeypatch):
     case = _TwoFirstSegmentsMade(monkeypatch, free_slots=0.5)
     try:
         case.ring.unassign(case.made[1][0])  # nothing else on its way
-        with pytest.raises(ShmCapacityError) as info:
-            case.adopt(0)
-        message = str(info.value)
-        assert "the ring (6 slots" in message and "at least 2" in message, message
-        assert info.value.needed == 2 * case.size
-        _assert_actionable(message, info.value.needed, info.value.free)
+        fitted = _fitted_warnings(lambda: case.adopt(0))
+        assert len(fitted) == 1 and "room for 1 of the ring's 6 slots" in fitted[0], fitted
+        assert case.ring._shm_room_left() == 0
+        _publish(case.ring, case.made[0][0], 0)
+        lease, _descriptor, _end = case.ring.lease(case.made[0][0], 0, case.ring.release_callback())
+        assert not case.ring.can_take()  # the loop holds the one slot: it would wait for good
+        overflow = _fitted_warnings(case.ring.make_room)
+        assert len(overflow) == 1 and "made outside /dev/shm" in overflow[0], overflow
+        assert case.ring.has_free_created_slot() and case.ring.stats().overflow_slots == 1
+        assert case.ring._shm_bytes() == case.size  # the overflow slot is not /dev/shm's
+        del lease
     finally:
         case.close()
 
@@ -545,17 +549,29 @@ def test_a_slot_handed_back_for_want_of_room_fits_the_ring_to_what_is_alive_and_
         case.close()
 
 
-def test_first_slots_with_room_for_fewer_than_two_fail_at_the_wait_with_the_sizes(monkeypatch):
+def test_first_slots_with_room_for_none_get_one_outside_dev_shm_at_the_wait(monkeypatch):
     case = _TwoFirstSegmentsMade(monkeypatch, free_slots=10)
     try:
         case.ring.unassign(case.made[1][0])
         case.ring.no_room(case.made[0][0], 0, case.size, case.size // 2)  # nothing alive
+        assert not case.ring.can_take()
+        assert any("made outside /dev/shm" in m for m in _fitted_warnings(case.ring.make_room))
+        assert case.ring.has_free_created_slot()
+        assert case.ring.segments()[0].size == case.size  # sized by what the worker needed
+    finally:
+        case.close()
+
+
+def test_an_overflow_slot_that_would_leave_too_little_memory_is_an_error(monkeypatch):
+    monkeypatch.setattr(ring_module, "memory_available", lambda: 600 << 20)
+    case = _TwoFirstSegmentsMade(monkeypatch, free_slots=10)
+    try:
+        case.ring.unassign(case.made[1][0])
+        case.ring.no_room(case.made[0][0], 0, 200 << 20, 0)
         with pytest.raises(ShmCapacityError) as info:
             case.ring.make_room()
-        message = str(info.value)
-        assert "room for 0 when the workers made their first slots" in message, message
-        assert info.value.needed == 2 * case.size
-        _assert_actionable(message, info.value.needed, info.value.free)
+        assert "nor could it be made outside /dev/shm" in str(info.value), info.value
+        _assert_actionable(str(info.value), info.value.needed, info.value.free)
     finally:
         case.close()
 
@@ -695,7 +711,7 @@ def test_a_batch_moved_out_of_its_slot_gives_the_slot_back_at_once(small_shm):
 def test_no_room_warns_only_once_no_other_first_slot_is_on_its_way(monkeypatch):
     """With other workers' first slots on their way, the room is not known: they may find none
     either (the warning said 'room for 3 of the ring's 18 slots of 40.0 MiB' in 32 MiB, and an
-    error followed).  The warning waits for them; with room for fewer than 2, none comes."""
+    error followed).  The warning waits for them."""
     case = _TwoFirstSegmentsMade(monkeypatch, free_slots=10)
     try:
         third = case.ring.take_free_slot()
@@ -709,8 +725,7 @@ def test_no_room_warns_only_once_no_other_first_slot_is_on_its_way(monkeypatch):
     try:
         first, second = case.made[0][0], case.made[1][0]
         assert _fitted_warnings(lambda: case.ring.no_room(first, 0, case.size, 0)) == []
-        assert _fitted_warnings(lambda: case.ring.no_room(second, 0, case.size, 0)) == []
-        with pytest.raises(ShmCapacityError, match="room for 0 when the workers made their first slots"):
-            case.ring.make_room()
+        fitted = _fitted_warnings(lambda: case.ring.no_room(second, 0, case.size, 0))
+        assert len(fitted) == 1 and "room for 0 of the ring's 6 slots" in fitted[0], fitted
     finally:
         case.close()

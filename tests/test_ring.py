@@ -49,9 +49,16 @@ def test_segment_larger_than_dev_shm_is_a_capacity_error():
     assert isinstance(info.value, MemoryError)
 
 
-def test_ring_that_cannot_fit_is_refused_at_creation():
-    with pytest.raises(ShmCapacityError, match="the ring"):
-        Ring(4, slot_bytes=shm_free_bytes())
+def test_ring_that_cannot_fit_is_fitted_at_creation(recwarn):
+    """Not refused (NOTE [ A ring fitted to /dev/shm ]): fitted, with a warning, and no slot
+    made (the overflow slots its loop may need are made only where it would wait for good)."""
+    ring = Ring(4, slot_bytes=shm_free_bytes() + (1 << 20))
+    try:
+        assert ring._shm_room is not None and ring._shm_room_left() == 0
+        assert any("room for" in str(w.message) for w in recwarn.list)
+        assert ring.segments() == []
+    finally:
+        ring.close()
 
 
 # -- the slot lifecycle ------------------------------------------------------------------------------
