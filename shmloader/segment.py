@@ -124,19 +124,29 @@ def create_overflow_segment(capacity: int, generation: int, what: str) -> _ring.
                                f"{what} (nor could it be made outside {SHM_DIR}: "
                                f"{available} bytes of memory available)")
     with ctrl_c_held():  # NOTE [ Ctrl-C held ] in interrupts.py: no fd leaked half-made
-        fd = os.memfd_create("shmloader-overflow", os.MFD_CLOEXEC)
         try:
-            os.ftruncate(fd, capacity)
-            _ring.reserve(fd, capacity)
-            segment = _ring.Segment(fd, capacity, populate=False)
+            segment = _reserved(os.memfd_create("shmloader-overflow", os.MFD_CLOEXEC), capacity, False)
         except OSError as exc:
-            os.close(fd)
-            if exc.errno in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG):
+            if exc.errno in _NO_ROOM:
                 raise MemoryError(f"{what}: no memory for a {capacity}-byte segment outside "
                                   f"{SHM_DIR} either ({exc.strerror})") from exc
             raise
     segment.init_header(generation)
     return segment
+
+
+_NO_ROOM = (errno.ENOSPC, errno.ENOMEM, errno.EFBIG)
+
+
+def _reserved(fd: int, capacity: int, populate: bool) -> _ring.Segment:
+    """The segment of `fd`, sized to `capacity` and its pages reserved (the fd closed on error)."""
+    try:
+        os.ftruncate(fd, capacity)
+        _ring.reserve(fd, capacity)
+        return _ring.Segment(fd, capacity, populate=populate)
+    except OSError:
+        os.close(fd)
+        raise
 
 
 def _create(capacity: int, what: str, populate: bool) -> _ring.Segment:
@@ -148,14 +158,10 @@ def _create(capacity: int, what: str, populate: bool) -> _ring.Segment:
         mem.close_fd()
         mem.unlink()
     try:
-        os.ftruncate(fd, capacity)
-        _ring.reserve(fd, capacity)
-        segment = _ring.Segment(fd, capacity, populate=populate)
+        return _reserved(fd, capacity, populate)
     except OSError as exc:
-        os.close(fd)
-        if exc.errno in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG):
+        if exc.errno in _NO_ROOM:
             # free again: read before, it may have been taken since by another process's segment,
             # or held for a moment by another's failing posix_fallocate
             raise ShmCapacityError(capacity, shm_free_bytes(), SHM_DIR, what) from exc
         raise
-    return segment

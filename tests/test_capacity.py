@@ -98,6 +98,15 @@ def small_free(monkeypatch):
     return 8 * MiB
 
 
+def _small_batches(workers: int, collate: str) -> dict:
+    """Loader arguments: batches of 2 samples, `workers` fork workers, prefetch 2, and np.stack
+    as the collate_fn where `collate` is "numpy" (else torch's default)."""
+    kwargs = dict(batch_size=2, num_workers=workers, prefetch_factor=2, multiprocessing_context="fork")
+    if collate == "numpy":
+        kwargs["collate_fn"] = np.stack
+    return kwargs
+
+
 def _alive_bytes(loader) -> int:
     stats = loader.stats()
     return stats.ring_bytes + stats.held_bytes
@@ -166,10 +175,7 @@ def test_a_fitted_ring_that_the_loop_fills_with_held_batches_makes_slots_outside
     there with a numpy collate (its batches pickled onto the heap).  The ring makes its further
     slots outside /dev/shm (NOTE [ Overflow slots ]): every batch torch's, all kept, one warning
     that says so; it raised ShmCapacityError before."""
-    kwargs = dict(batch_size=2, num_workers=2, prefetch_factor=2, multiprocessing_context="fork")
-    if collate == "numpy":
-        kwargs["collate_fn"] = np.stack
-    loader = ShmDataLoader(Sized(MiB), **kwargs)
+    loader = ShmDataLoader(Sized(MiB), **_small_batches(2, collate))
     kept, most = [], 0
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", ShmCapacityWarning)
@@ -584,10 +590,7 @@ def test_workers_whose_first_slots_do_not_all_fit_run_fitted(small_shm, collate)
     (the same for real on a tmpfs: test_small_tmpfs_first_slots_that_do_not_all_fit_run_fitted).
     The free space seen here falls only once a segment is made, so workers that check it at the
     same moment would all find room: they start 0.1 s apart."""
-    kwargs = dict(batch_size=2, num_workers=4, prefetch_factor=2, multiprocessing_context="fork")
-    if collate == "numpy":
-        kwargs["collate_fn"] = np.stack
-    loader = ShmDataLoader(Staggered(MiB), **kwargs)
+    loader = ShmDataLoader(Staggered(MiB), **_small_batches(4, collate))
     sums, most = [], 0
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", ShmCapacityWarning)
@@ -645,66 +648,55 @@ def test_a_reservation_that_fails_without_room_is_not_tried_again(monkeypatch):
     _assert_actionable(str(info.value), info.value.needed, info.value.free)
 
 
-class _LateWorkerZero(Sized):
-    """Sized, worker 0 starting its first sample 1 s late: the others make their first slots
-    first, and batch 0, the one the loop waits for, finds no room."""
+class _FirstSampleLate(Sized):
+    """Sized, worker k's first sample `delays[k]` s late."""
 
     started = False
 
+    def __init__(self, small: int, delays: tuple[float, ...]):
+        super().__init__(small)
+        self.delays = delays
+
     def __getitem__(self, i: int):
         info = torch.utils.data.get_worker_info()
-        if info is not None and info.id == 0 and not _LateWorkerZero.started:
-            _LateWorkerZero.started = True
-            time.sleep(1.0)
+        if info is not None and not _FirstSampleLate.started:
+            _FirstSampleLate.started = True
+            time.sleep(self.delays[info.id])
         return super().__getitem__(i)
+
+
+def _four_workers_in_small_shm(delays: tuple[float, ...]):
+    """4 workers, 2 MiB batches, a numpy collate, in 8 MiB (3 slots): the loader's stats, after
+    checking that every batch is torch's."""
+    loader = ShmDataLoader(_FirstSampleLate(MiB, delays), batch_size=2, num_workers=4, prefetch_factor=2,
+                           collate_fn=np.stack, multiprocessing_context="fork")
+    batches = iter(loader)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ShmCapacityWarning)
+        sums = [int(batch.sum()) for batch in batches]
+    assert sums == [int(b.sum()) for b in torch.utils.data.DataLoader(Sized(MiB), batch_size=2)]
+    return batches.stats()
 
 
 @pytest.mark.timeout(60)
 def test_the_awaited_batch_that_found_no_room_gets_a_slot_from_one_that_waits_for_it(small_shm):
-    """Batches 1-3 took the 3 slots that fit and wait in the reorder buffer for batch 0, which
-    found no room: the latest is copied out of its slot (NOTE [ Batches that wait for their turn ]
-    in scheduler.py) and batch 0 gets the slot, where the loop failed before; torch's batches."""
-    loader = ShmDataLoader(_LateWorkerZero(MiB), batch_size=2, num_workers=4, prefetch_factor=2,
-                           collate_fn=np.stack, multiprocessing_context="fork")
-    batches = iter(loader)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", ShmCapacityWarning)
-        sums = [int(batch.sum()) for batch in batches]
-    assert sums == [int(b.sum()) for b in torch.utils.data.DataLoader(Sized(MiB), batch_size=2)]
-    stats = batches.stats()
-    # the spill freed the slot: no slot had to be made outside /dev/shm (NOTE [ Overflow slots ])
+    """Batches 1-3 took the 3 slots that fit and wait in the reorder buffer for batch 0 (its
+    worker 1 s late), which found no room: the latest is copied out of its slot (NOTE [ Batches
+    that wait for their turn ] in scheduler.py) and batch 0 gets the slot, where the loop failed
+    before; no slot had to be made outside /dev/shm (NOTE [ Overflow slots ])."""
+    stats = _four_workers_in_small_shm((1.0, 0.0, 0.0, 0.0))
     assert stats.spilled_batches >= 1 and stats.overflow_slots == 0, stats
-
-
-class _InOrderThenZero(Sized):
-    """Sized, worker k's first sample 0.15 s x k late, worker 0's 2 s: batches 1, 2, 3 come in
-    that order, then batch 0."""
-
-    started = False
-
-    def __getitem__(self, i: int):
-        info = torch.utils.data.get_worker_info()
-        if info is not None and not _InOrderThenZero.started:
-            _InOrderThenZero.started = True
-            time.sleep(2.0 if info.id == 0 else 0.15 * info.id)
-        return super().__getitem__(i)
 
 
 @pytest.mark.timeout(60)
 def test_a_batch_moved_out_of_its_slot_gives_the_slot_back_at_once(small_shm):
-    """Batches 1-3 wait in the 3 slots that fit for batch 0, which found no room: batch 3, the
-    last in, is copied out of its slot and its slot goes to batch 0.  The loader's own reference
-    to the batch it had just buffered kept that slot leased, so a second batch had to be moved
-    (or, with one waiting, the loop failed: a helper's matrix, 32 MiB, 10 MiB batches, 4
-    workers, the last 2 batches kept, 13 of 80 runs)."""
-    loader = ShmDataLoader(_InOrderThenZero(MiB), batch_size=2, num_workers=4, prefetch_factor=2,
-                           collate_fn=np.stack, multiprocessing_context="fork")
-    batches = iter(loader)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", ShmCapacityWarning)
-        sums = [int(batch.sum()) for batch in batches]
-    assert sums == [int(b.sum()) for b in torch.utils.data.DataLoader(Sized(MiB), batch_size=2)]
-    stats = batches.stats()
+    """Batches 1-3 come in that order (their workers 0.15 s apart) and wait in the 3 slots that
+    fit for batch 0 (2 s late), which found no room: batch 3, the last in, is copied out of its
+    slot and its slot goes to batch 0.  The loader's own reference to the batch it had just
+    buffered kept that slot leased, so a second batch had to be moved (or, with one waiting,
+    the loop failed: a helper's matrix, 32 MiB, 10 MiB batches, 4 workers, the last 2 batches
+    kept, 13 of 80 runs)."""
+    stats = _four_workers_in_small_shm((2.0, 0.15, 0.3, 0.45))
     assert stats.spilled_batches == 1 and stats.overflow_slots == 0, stats
 
 
