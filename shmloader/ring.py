@@ -80,9 +80,15 @@ NOTE [ Overflow slots ]
   numpy collate_fn (its batches are pickled onto the heap), so where the loop would wait for
   good (`make_room`), and only then, the ring makes a slot outside /dev/shm instead (`_add_overflow_slot`, a memfd: the kernel's internal
   tmpfs, which /dev/shm's size does not bound, charged to the process's memory as torch's heap
-  batches are).  Once each, a warning says so.  Such a slot is a slot like any other, but never
+  batches are).  Once, a warning says so.  Such a slot is a slot like any other, but never
   counted as room in /dev/shm, and it stays in the ring (reused first, as created slots are)
   until the ring closes.  Not under a cap the user set (then RingFullError, as before).
+  A worker whose batch needs its slot to grow, or to move away from arrays the dataset keeps,
+  makes the new segment outside /dev/shm the same way where /dev/shm has no room for it
+  (`segment.create_segment_or_overflow`); the ring tells it apart when it adopts it
+  (`segment.outside_shm`).  Neither kind is made where it would leave less than
+  OVERFLOW_MEMORY_MARGIN of the memory available (MemAvailable, a cgroup's limit): a
+  ShmCapacityError then, not the OOM killer.
 
 NOTE [ Slot size follows the batches ]
   The size a new slot gets (`slot_bytes`: a slot made for the first time, one made again after
@@ -355,18 +361,23 @@ class Ring:
         segment = shm_segment.create_overflow_segment(size, self._generations[slot],
                                                       f"slot {slot} of the ring")
         self._segments[slot] = segment
+        held = self.held() + len(self._held_segments)
+        self._note_overflow(segment, f"has no room for another ring slot (the training loop holds "
+                                     f"{held} batch{'es' if held != 1 else ''})",
+                            "Keep fewer batches (or a .clone() of what you keep), or give")
+        return True
+
+    def _note_overflow(self, segment: _ring.Segment, why: str, advice: str) -> None:
+        """Count a segment made outside /dev/shm, and warn the first time (NOTE [ Overflow slots ])."""
         self._overflow.add(segment)
         self._overflow_made += 1
         if self._overflow_made == 1:
             warnings.warn(
-                f"shmloader: {shm_segment.SHM_DIR} has no room for another ring slot (the training "
-                f"loop holds {self.held() + len(self._held_segments)} batches): further ring slots of "
-                f"{fmt_bytes(size)} are made outside {shm_segment.SHM_DIR}, in the "
-                "process's memory (as torch's pickled batches are). Keep fewer batches (or a "
-                ".clone() of what you keep), or give the container more shared memory (e.g. "
+                f"shmloader: {shm_segment.SHM_DIR} {why}: ring slots of {fmt_bytes(segment.size)} "
+                f"are made outside {shm_segment.SHM_DIR}, in the process's memory (as torch's "
+                f"pickled batches are). {advice} the container more shared memory (e.g. "
                 "`docker run --shm-size=8g`).",
                 ShmCapacityWarning, stacklevel=_user_stacklevel())
-        return True
 
     def _dispatched_uncreated(self) -> int:
         """Slots granted to a worker that creates their segment (it may exist already)."""
@@ -592,6 +603,10 @@ class Ring:
         segment = _ring.Segment(fd, capacity, populate=False)
         old = self._segments[slot]
         self._segments[slot] = segment
+        if shm_segment.outside_shm(fd):  # a worker's, where /dev/shm had no room for it
+            self._note_overflow(segment, f"has no room for a slot of {fmt_bytes(capacity)} "
+                                f"({fmt_bytes(shm_segment.shm_free_bytes())} free)",
+                                "For batches this large, lower batch_size or give")
         if old is not None:
             self._slot_grows += 1
             self._retired.append((slot, self._generations[slot]))

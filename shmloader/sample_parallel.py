@@ -148,7 +148,7 @@ from .protocol import (
 )
 from .ring import CONSUMER_SLOTS
 from .scheduler import SlotScheduler
-from .segment import create_segment, slot_capacity
+from .segment import create_segment, create_segment_or_overflow, slot_capacity
 from .worker import Shipped, WorkerSpec, exception_payload
 
 COLLATE_ROWS = "rows"  # WorkerSpec.collate_mode of this mode's workers (they run no Task)
@@ -508,8 +508,9 @@ class SampleParallelIter(_PoolIter):
             if capacity < needed or kept:  # (a kept segment stays with the worker's cache)
                 self._kept_segments.discard((slot, generation))
                 with ctrl_c_held():  # made and adopted whole (NOTE [ Ctrl-C held ] in interrupts.py)
-                    segment = create_segment(slot_capacity(needed, capacity, hint), generation + 1,
-                                             f"slot {slot} of the ring ({ring.depth} slots)", populate=False)
+                    segment = create_segment_or_overflow(slot_capacity(needed, capacity, hint), generation + 1,
+                                                         f"slot {slot} of the ring ({ring.depth} slots)",
+                                                         populate=False)
                     try:
                         ring.adopt(slot, os.dup(segment.fd), segment.size, generation + 1)
                     finally:

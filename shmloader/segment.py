@@ -111,12 +111,14 @@ def memory_available() -> int:
     return max(0, available)
 
 
-def create_overflow_segment(capacity: int, generation: int, what: str) -> _ring.Segment:
+def create_overflow_segment(capacity: int, generation: int, what: str,
+                            populate: bool = False) -> _ring.Segment:
     """A segment outside /dev/shm, for when /dev/shm is full (NOTE [ Overflow slots ] in ring.py):
     a memfd, on the kernel's internal tmpfs, which /dev/shm's size does not bound; its pages
     are reserved and charged to the process's memory as heap pages are.  Mapped without
-    populating (the main process makes it).  ShmCapacityError where it would leave less than
-    OVERFLOW_MEMORY_MARGIN of the memory available (the OOM killer, not an error, would follow)."""
+    `populate` by the main process, which touches little of it.  ShmCapacityError where it would
+    leave less than OVERFLOW_MEMORY_MARGIN of the memory available (the OOM killer, not an
+    error, would follow)."""
     capacity = page_round(max(capacity, _ring.HEADER_BYTES))
     available = memory_available()
     if capacity + OVERFLOW_MEMORY_MARGIN > available:
@@ -125,7 +127,7 @@ def create_overflow_segment(capacity: int, generation: int, what: str) -> _ring.
                                f"{available} bytes of memory available)")
     with ctrl_c_held():  # NOTE [ Ctrl-C held ] in interrupts.py: no fd leaked half-made
         try:
-            segment = _reserved(os.memfd_create("shmloader-overflow", os.MFD_CLOEXEC), capacity, False)
+            segment = _reserved(os.memfd_create("shmloader-overflow", os.MFD_CLOEXEC), capacity, populate)
         except OSError as exc:
             if exc.errno in _NO_ROOM:
                 raise MemoryError(f"{what}: no memory for a {capacity}-byte segment outside "
@@ -133,6 +135,23 @@ def create_overflow_segment(capacity: int, generation: int, what: str) -> _ring.
             raise
     segment.init_header(generation)
     return segment
+
+
+def create_segment_or_overflow(capacity: int, generation: int, what: str,
+                               populate: bool = True) -> _ring.Segment:
+    """A new segment for a slot whose batch needs it now (a larger batch, arrays the dataset
+    keeps, a sample-parallel batch): in /dev/shm, or outside it where /dev/shm has no room (NOTE
+    [ Overflow slots ] in ring.py; the ring tells the two apart by `outside_shm`).  A
+    ShmCapacityError naming both where neither has room."""
+    try:
+        return create_segment(capacity, generation, what, populate)
+    except ShmCapacityError:
+        return create_overflow_segment(capacity, generation, what, populate)
+
+
+def outside_shm(fd: int) -> bool:
+    """Whether the segment of `fd` lies outside /dev/shm (an overflow segment, a memfd)."""
+    return os.fstat(fd).st_dev != os.stat(SHM_DIR).st_dev
 
 
 _NO_ROOM = (errno.ENOSPC, errno.ENOMEM, errno.EFBIG)

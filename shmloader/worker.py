@@ -73,7 +73,7 @@ from .protocol import (
     status_offset,
 )
 from .samples_in_slot import SamplesInArena, SamplesInSlot
-from .segment import create_segment, slot_capacity
+from .segment import create_segment, create_segment_or_overflow, slot_capacity
 from .state import send_batch_state, send_epoch_state, start_fetcher
 from .timing import stage_clock
 
@@ -132,7 +132,8 @@ GUESS_MAX_WASTE = 2
 #   needed and what was free), goes on with its batch on the heap, and waits for a slot that has a
 #   segment; the main process fits the ring to the segments alive and on their way then (NOTE [ A
 #   ring fitted to /dev/shm ] in ring.py).  Only a slot that has no segment yet is handed back: a
-#   slot too small for a larger batch, whose growth finds no room, is the batch's error as before.
+#   slot too small for a larger batch, whose growth finds no room, grows outside /dev/shm (NOTE
+#   [ Overflow slots ] in ring.py), as does one moved away from arrays the dataset keeps.
 # A slot made for a custom collate_fn's batch holds the batch laid out compactly plus
 # `arena_slack`: the same arrays born in the arena take up to ARENA_BLOCK_SLACK more bytes each (a
 # 64-byte size prefix, 64-byte alignment), and a few small dead temporaries (the arena never
@@ -635,7 +636,7 @@ class _Worker:
                     plan = layout.unsettle_rows(segment, plan)
                     if grown is not None:
                         grown.close_fd()  # never sent: the arrays born in it keep it mapped
-                    segment = grown = create_segment(
+                    segment = grown = create_segment_or_overflow(
                         segment.size, granted + 1, f"slot {slot} of the ring ({spec.ring_depth} slots)")
                     generation, in_arena = granted + 1, False
             found = segment.claim(spec.worker_id, idx)
@@ -748,14 +749,15 @@ class _Worker:
     def new_segment(self, grant: tuple[int, int, int, int], capacity: int):
         """A new segment of `capacity` bytes for the granted slot (its generation + 1).  Where
         /dev/shm has no room for it and the slot has no segment yet, the grant goes back to the
-        main process and NoRoomForSlot is raised (NOTE [ No room for a worker's first slot ])."""
+        main process and NoRoomForSlot is raised (NOTE [ No room for a worker's first slot ]);
+        a slot that grows gets it outside /dev/shm then (NOTE [ Overflow slots ] in ring.py)."""
         slot, generation, current, _hint = grant
+        what = f"slot {slot} of the ring ({self.spec.ring_depth} slots)"
+        if current:  # the slot's segment is too small for this batch: nothing to wait for
+            return create_segment_or_overflow(capacity, generation + 1, what)
         try:
-            return create_segment(capacity, generation + 1,
-                                  f"slot {slot} of the ring ({self.spec.ring_depth} slots)")
+            return create_segment(capacity, generation + 1, what)
         except ShmCapacityError as exc:
-            if current:  # the slot's segment is too small for this batch: nothing to wait for
-                raise
             self.channel.send(NoRoom(slot, generation, exc.needed, exc.free))
             raise NoRoomForSlot(slot) from exc
 
@@ -763,8 +765,8 @@ class _Worker:
         """The collate_fn kept arrays born in `kept` (a cache): leave that segment to them and
         move the batch, bytes as they are, into a new segment for slot `slot` (the granted
         generation + 1), which the main process adopts as it adopts a grown one."""
-        moved = create_segment(kept.size, generation + 1,
-                               f"slot {slot} of the ring ({self.spec.ring_depth} slots)")
+        moved = create_segment_or_overflow(kept.size, generation + 1,
+                                           f"slot {slot} of the ring ({self.spec.ring_depth} slots)")
         if moved.claim(self.spec.worker_id, idx) != layout._ring.FREE:
             raise SlotProtocolError(f"worker {self.spec.worker_id} could not claim a new segment")
         moved.copy_from_address(layout.HEADER_BYTES, kept.address + layout.HEADER_BYTES,

@@ -1,10 +1,11 @@
-"""Shared-memory capacity (NOTE [ A ring fitted to /dev/shm ] in shmloader/ring.py): a ring that
-does not fit whole in /dev/shm, where torch's loader runs, is fitted to the room there is (a
-ShmCapacityWarning, the same batches, never more alive than the room); one of which not even 2
-slots fit is a ShmCapacityError when the ring is built (the loader's `iter()`, before any worker
-starts) or at the first batch that teaches the slot size, naming the bytes needed, the bytes
-free and what to do; a slot that must grow past what is free fails the same way, cleanly (no
-SIGBUS, no worker left, nothing left mapped or in /dev/shm).
+"""Shared-memory capacity (NOTE [ A ring fitted to /dev/shm ] and NOTE [ Overflow slots ] in
+shmloader/ring.py): wherever torch's loader runs with a numpy collate, so does shmloader, with
+torch's batches.  A ring that does not fit whole in /dev/shm is fitted to the room there is (a
+ShmCapacityWarning, never more alive in /dev/shm than the room); where even that leaves the loop
+waiting for good (room for fewer than 2 slots, batches the loop holds, a slot that must grow past
+what is free) slots are made outside /dev/shm, unless that would leave too little memory: then a
+ShmCapacityError naming the bytes needed, the bytes free and what to do, cleanly (no SIGBUS, no
+worker left, nothing left mapped or in /dev/shm).
 
 Tested for real inside a private mount namespace (`unshare -m`) over a 16 MiB tmpfs mounted on
 /dev/shm, where the test can do that (root), and everywhere by asking for more than is free.
@@ -194,8 +195,34 @@ def test_a_fitted_ring_that_the_loop_fills_with_held_batches_makes_slots_outside
     del kept
 
 
+def _sized_sums(small: int, big: int, big_at: int) -> list[int]:
+    """What torch's batches of one Sized sample each sum to."""
+    return [(big if i == big_at else small) * (i % 251) for i in range(64)]
+
+
 @pytest.mark.timeout(60)
-def test_slot_growth_that_does_not_fit_fails_cleanly(small_free):
+def test_slot_growth_past_what_is_free_runs_with_the_slot_outside_dev_shm(small_free):
+    """A batch that needs its slot to grow past what /dev/shm has free (torch runs there with a
+    numpy collate: its batches are pickled onto the heap): the worker makes the grown slot
+    outside /dev/shm (NOTE [ Overflow slots ] in ring.py), one warning, torch's batches."""
+    loader = ShmDataLoader(Sized(4096, big=12 * MiB, big_at=5), batch_size=1, num_workers=2,
+                           collate_fn=_first, slot_bytes=MiB, multiprocessing_context="fork")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        sums = [int(batch.sum()) for batch in loader]
+    assert sums == _sized_sums(4096, 12 * MiB, 5)
+    assert loader.stats().overflow_slots >= 1
+    said = [str(w.message) for w in caught if issubclass(w.category, ShmCapacityWarning)]
+    assert len([m for m in said if "made outside /dev/shm" in m]) == 1, said
+    assert any("no room for a slot of 13" in m and "MiB free" in m for m in said), said
+
+
+@pytest.mark.timeout(60)
+def test_slot_growth_with_no_room_outside_dev_shm_either_fails_cleanly(small_free, monkeypatch):
+    """The same where a slot outside /dev/shm would leave too little memory (the OOM killer would
+    follow): the batch's ShmCapacityError, naming what was needed, what was free and what to do;
+    the batches before it are delivered."""
+    monkeypatch.setattr(ring_module, "memory_available", lambda: 520 * MiB)  # inherited by fork workers
     loader = ShmDataLoader(Sized(4096, big=12 * MiB, big_at=5), batch_size=1, num_workers=2,
                            collate_fn=_first, slot_bytes=MiB, multiprocessing_context="fork")
     delivered = 0
@@ -206,8 +233,27 @@ def test_slot_growth_that_does_not_fit_fails_cleanly(small_free):
     exc = info.value
     assert delivered == 5  # every batch before the big one
     assert exc.needed > 12 * MiB and exc.free <= small_free
-    assert "writing the batch into its slot" in str(exc) and "worker 1" in str(exc)
-    _assert_actionable(str(exc), exc.needed, exc.free)
+    message = str(exc)
+    assert "writing the batch into its slot" in message and "worker 1" in message
+    assert f"nor could it be made outside /dev/shm: {520 * MiB} bytes of memory available" in message
+    _assert_actionable(message, exc.needed, exc.free)
+
+
+@pytest.mark.timeout(60)
+def test_sample_parallel_batches_larger_than_what_is_free_run_outside_dev_shm(small_free):
+    """sample_parallel=True, where the main process makes the slots: batches of 12 MiB with 8 MiB
+    free get their slots outside /dev/shm, torch's batches, one warning."""
+    dataset = Sized(2 * MiB)
+    loader = ShmDataLoader(dataset, batch_size=6, num_workers=2, sample_parallel=True,
+                           multiprocessing_context="fork")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = [batch.clone() for batch in loader]
+    expected = list(torch.utils.data.DataLoader(dataset, batch_size=6))
+    assert len(got) == len(expected) and all(torch.equal(a, b) for a, b in zip(got, expected))
+    assert loader.stats().overflow_slots >= 1
+    said = [str(w.message) for w in caught if issubclass(w.category, ShmCapacityWarning)]
+    assert len([m for m in said if "made outside /dev/shm" in m]) == 1, said
 
 
 def _first(samples):
@@ -310,19 +356,22 @@ def test_small_tmpfs_numpy_batches_all_kept_by_the_loop_run_with_overflow_slots(
 
 
 @pytest.mark.timeout(120)
-def test_small_tmpfs_slot_growth_fails_cleanly():
+def test_small_tmpfs_slot_growth_past_what_is_free_runs_outside_dev_shm():
+    """A 40 MiB batch among 64 KiB ones in 16 MiB (torch runs: its batches are pickled): the
+    slot grows outside /dev/shm, every batch is torch's, one warning."""
     r = _probe("grow")
-    assert r["type"] == "ShmCapacityError", r
-    assert r["batches"] == 9  # every batch before the one that does not fit
-    assert r["needed"] > 40 * MiB and r["free"] < SMALL_SHM
-    assert "writing the batch into its slot" in r["message"]
-    _assert_actionable(r["message"], r["needed"], r["free"])
+    assert r["batches"] == 64 and "type" not in r, r
+    assert r["sums"] == _sized_sums(64 * 1024, 40 * MiB, 9)
+    assert r["overflow"] >= 1, r
+    assert len(r["warnings"]) == 1 and "made outside /dev/shm" in r["warnings"][0], r["warnings"]
 
 
 @pytest.mark.timeout(60)
-def test_a_full_dev_shm_while_the_loop_holds_batches_says_so(small_free):
-    """The worker's ShmCapacityError advises fewer workers or smaller slots; when the training
-    loop holds batches past the ring, that is the likelier cause, and the message says so."""
+def test_a_full_dev_shm_while_the_loop_holds_batches_says_so(small_free, monkeypatch):
+    """The worker's ShmCapacityError (no room outside /dev/shm either) advises fewer workers or
+    smaller slots; when the training loop holds batches past the ring, that is the likelier
+    cause, and the message says so."""
+    monkeypatch.setattr(ring_module, "memory_available", lambda: 520 * MiB)  # inherited by fork workers
     loader = ShmDataLoader(Sized(256 * 1024, big=12 * MiB, big_at=14), batch_size=1, num_workers=2,
                            collate_fn=_first, slot_bytes=MiB, multiprocessing_context="fork")
     kept = []
