@@ -307,6 +307,16 @@ def _dtype_token(dtype: np.dtype):
     return dtype.str if dtype.isbuiltin == 1 else dtype
 
 
+def _byte_copy(flat: np.ndarray) -> np.ndarray:
+    """A copy of a contiguous 1-d array with every byte as it was: numpy copies a structured
+    dtype field by field, leaving its padding bytes uninitialized (torch's pickled ones keep them)."""
+    if flat.dtype.fields is None:
+        return flat.copy()
+    out = np.empty_like(flat)
+    out.view(np.uint8)[:] = flat.view(np.uint8)
+    return out
+
+
 @functools.cache
 def _dtype_of(token: str) -> np.dtype:
     return np.dtype(token)
@@ -885,11 +895,11 @@ class _LeafReader:
                 dtype = _dtype_of(dtype)
             count = math.prod(shape)
             start = self._start(offset, count * dtype.itemsize)
-            if count == 0:  # the strides numpy's unpickling gives an empty array (C order)
+            if count == 0 or dtype.itemsize == 0:  # no bytes (shape (0, 3), dtype V0): as unpickled
                 return np.ndarray(shape, dtype=dtype, buffer=bytearray())
             flat = np.frombuffer(self.lease, dtype=dtype, count=count, offset=start)
             if count * dtype.itemsize <= self.copy_upto:
-                flat = flat.copy()
+                flat = _byte_copy(flat)
             return flat.reshape(shape, order=order)
         if kind == "v":
             _, offset, dtype, shape, requires_grad, stride, extent = pid

@@ -616,3 +616,29 @@ def test_quantized_tensors_with_the_default_collate_fail_as_torch_does():
     want, got = first_error(ref), first_error(shm)
     assert type(want) is RuntimeError and type(got) is RuntimeError, (want, got)
     assert "while collating the batch" in str(got)
+
+
+PADDED = np.dtype([("a", "u1"), ("b", "<f8")], align=True)  # 7 padding bytes per record
+
+
+def padded_records(i):
+    """Records whose padding bytes are set (7s): torch's pickled batch keeps every byte."""
+    records = np.zeros(3, PADDED)
+    records.view(np.uint8)[:] = 7
+    records["a"], records["b"] = [i, i + 1, i + 2], [0.5, 1.5, 2.5]
+    return {"small": records, "big": np.tile(records, 8192)}  # a copy, and a view onto the slot
+
+
+def zero_itemsize(i):
+    return {"v0": np.zeros((3, 2), dtype="V0"), "x": np.arange(3) + i}
+
+
+@pytest.mark.parametrize("collate_fn", [first, as_list], ids=["first", "list"])
+@pytest.mark.parametrize("make", [padded_records, zero_itemsize])
+def test_padded_records_and_zero_size_dtypes_come_back_byte_for_byte(make, collate_fn):
+    """A structured dtype's padding bytes (numpy's copy leaves them uninitialized) and a dtype of
+    no bytes (V0, which np.frombuffer refuses) come back as torch delivers them."""
+    want = loaders_agree(Made(make), collate_fn=collate_fn)
+    sample = want[0] if collate_fn is first else want[0][0]
+    if make is padded_records:
+        assert sample["small"].view(np.uint8)[1:8].tolist() == [7] * 7  # torch keeps the padding
