@@ -187,7 +187,8 @@ def test_an_error_in_a_prefetched_batch_is_raised_at_its_turn():
             seen.append(epoch)
         return seen, loader
 
-    want, _ = epochs_of(DataLoader)
+    want, ref = epochs_of(DataLoader)
+    ref._iterator._shutdown_workers()  # now, not from a gc pass that SIGTERMs them (/tmp/pymp-* left)
     got, loader = epochs_of(Prefetching)
     assert got == want and "KeyError" in got[1], got
     assert loader.stats().prefetched_next_epoch > 0

@@ -152,7 +152,9 @@ def test_an_exception_that_does_not_pickle_keeps_its_type_as_torch():
         with pytest.raises(ValueError, match="bad sample 1") as error:
             next(it)
         got.append((type(error.value), next(it).tolist()))
-        del it
+        if loader_class is DataLoader:  # its iterator lives on in the traceback's cycle: stop its
+            it._shutdown_workers()      # workers now, not from a gc pass (SIGTERM, /tmp/pymp-* left)
+        del it, error
     assert got[0] == got[1] == (ValueError, [[2], [3]])
 
 
