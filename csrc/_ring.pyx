@@ -51,6 +51,42 @@ def reserve(int fd, uint64_t nbytes):
         raise OSError(rc, os.strerror(rc))
 
 
+cdef extern from "<sys/mman.h>" nogil:
+    int shm_open(const char *name, int oflag, unsigned int mode)
+    int shm_unlink(const char *name)
+
+cdef extern from "<fcntl.h>" nogil:
+    int O_CREAT, O_EXCL, O_RDWR
+
+cdef extern from "<signal.h>" nogil:
+    ctypedef struct sigset_t:
+        pass
+    int SIG_BLOCK, SIG_SETMASK
+    int sigfillset(sigset_t *signals)
+    int pthread_sigmask(int how, const sigset_t *signals, sigset_t *before)
+
+
+def open_unlinked(bytes name):
+    """shm_open(`name`) exclusively (mode 0600, close-on-exec) and shm_unlink it at once; the fd.
+
+    NOTE [ Segments ] in segment.py: between the two calls no other Python thread runs (the GIL
+    is held, so none can call os._exit with the name still there) and this thread's signals
+    wait (a SIGTERM's default action comes after the unlink)."""
+    cdef sigset_t every_signal, before
+    cdef int fd, err = 0
+    sigfillset(&every_signal)
+    pthread_sigmask(SIG_BLOCK, &every_signal, &before)
+    fd = shm_open(name, O_CREAT | O_EXCL | O_RDWR, 0o600)
+    if fd < 0:
+        err = errno
+    else:
+        shm_unlink(name)
+    pthread_sigmask(SIG_SETMASK, &before, NULL)
+    if fd < 0:
+        raise OSError(err, os.strerror(err), name.decode())
+    return fd
+
+
 @cython.no_gc_clear  # __dealloc__ needs before_unmap even when a gc cycle frees it
 cdef class Segment:
     """One slot's shared memory, mapped into this process; owns its fd and its mapping.

@@ -13,6 +13,7 @@ LEASED: int
 STREAM_MIN_BYTES: int  # a leaf this large is copied with streaming stores (csrc/copy.h)
 
 def reserve(fd: int, nbytes: int) -> None: ...
+def open_unlinked(name: bytes) -> int: ...
 
 class Segment:
     before_unmap: Callable[[Segment], None] | None

@@ -5,12 +5,16 @@ moved away from a kept arena) both create segments; this module is all they shar
 a segment serves, when it is made and when it goes is the ring's policy, not this module's.
 
 NOTE [ Segments ]
-  A segment's name exists only for the instant between shm_open and shm_unlink inside
-  `create_segment`: processes share it by passing the fd over their control socket
-  (SCM_RIGHTS), so no crash of any process can leave an entry behind in /dev/shm; and a Ctrl-C
-  is held while it is made (its KeyboardInterrupt raised once the segment is whole), so that it
-  cannot land between shm_open and shm_unlink (a named entry left behind) nor between the fd's
-  dup and its segment (the fd and its reserved pages leaked).  Its pages
+  A segment's name exists only for the instant between shm_open and shm_unlink, two system
+  calls in one C function (`_ring.open_unlinked`): processes share it by passing the fd over
+  their control socket (SCM_RIGHTS), so no crash of any process can leave an entry behind in
+  /dev/shm.  No Python code runs between the two calls, in this thread or another (the GIL is
+  held), so an os._exit elsewhere (the training script's, a worker's watch thread's) cannot
+  land there; with the two calls in Python (posix_ipc) 18 of 200 processes that exited while a
+  thread made segments left a name behind for good.  This thread's signals wait meanwhile too.
+  A Ctrl-C is held while the segment is made (its KeyboardInterrupt raised once it is whole),
+  so that it cannot land between the fd and its segment (the fd and its reserved pages
+  leaked).  Its pages
   are reserved with posix_fallocate when it is created, so a /dev/shm that is too small is a
   ShmCapacityError then, never a SIGBUS in a worker later.  Its header (csrc/ring.h) carries a
   magic number, the ABI version, its capacity and its generation, which each side checks.
@@ -27,8 +31,6 @@ import os
 import random
 import secrets
 import time
-
-import posix_ipc
 
 from . import _ring
 from .errors import ShmCapacityError
@@ -169,13 +171,7 @@ def _reserved(fd: int, capacity: int, populate: bool) -> _ring.Segment:
 
 
 def _create(capacity: int, what: str, populate: bool) -> _ring.Segment:
-    name = "/shmloader-" + secrets.token_hex(16)
-    mem = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=0o600)
-    try:
-        fd = os.dup(mem.fd)
-    finally:
-        mem.close_fd()
-        mem.unlink()
+    fd = _ring.open_unlinked(("/shmloader-" + secrets.token_hex(16)).encode())
     try:
         return _reserved(fd, capacity, populate)
     except OSError as exc:

@@ -366,33 +366,23 @@ def test_a_header_changed_after_the_lease_does_not_trim_the_held_batch():
     ring.close()
 
 
-@pytest.mark.parametrize("where", ["shm_open", "dup"])
+@pytest.mark.parametrize("where", ["open_unlinked", "reserve"])
 def test_a_ctrl_c_while_a_segment_is_made_leaves_no_entry_and_no_fd(where, monkeypatch):
-    """A SIGINT that lands between shm_open and shm_unlink left a named /dev/shm entry; one between
-    the fd's dup and its segment, the fd and its reserved pages (NOTE [ Segments ]).  Signals are
+    """A SIGINT that landed between the fd's making and its segment left the fd and its reserved
+    pages (NOTE [ Segments ]); no Python code runs between shm_open and shm_unlink.  Signals are
     held meanwhile: the KeyboardInterrupt comes once the segment is whole, and it is freed."""
     import signal
 
     from shmloader import segment as segment_module
 
-    if where == "shm_open":
-        real = segment_module.posix_ipc.SharedMemory
+    real = getattr(segment_module._ring, where)
 
-        def interrupted(*args, **kwargs):
-            made = real(*args, **kwargs)
-            os.kill(os.getpid(), signal.SIGINT)  # arrives as the name exists
-            return made
+    def interrupted(*args):
+        made = real(*args)
+        os.kill(os.getpid(), signal.SIGINT)  # arrives before the fd is anyone's
+        return made
 
-        monkeypatch.setattr(segment_module.posix_ipc, "SharedMemory", interrupted)
-    else:
-        real_dup = os.dup
-
-        def interrupted(fd):
-            duplicate = real_dup(fd)
-            os.kill(os.getpid(), signal.SIGINT)  # arrives before the fd is anyone's
-            return duplicate
-
-        monkeypatch.setattr(segment_module.os, "dup", interrupted)
+    monkeypatch.setattr(segment_module._ring, where, interrupted)
     before = set(os.listdir("/proc/self/fd"))
     handler = signal.signal(signal.SIGINT, signal.default_int_handler)  # Python's, whatever ran before
     try:

@@ -31,33 +31,33 @@ MAGIC_AT, VERSION_AT, DESC_BYTES_AT, PAYLOAD_END_AT, DESC_OFFSET_AT = 0, 8, 48, 
 
 
 class _Recorder:
-    """Wraps posix_ipc.SharedMemory to record how segments are created."""
+    """Wraps _ring.open_unlinked to record the names segments are made under."""
 
     def __init__(self):
-        self.calls = []
-        self.real = posix_ipc.SharedMemory
+        self.names = []
+        self.real = _ring.open_unlinked
 
-    def __call__(self, name, flags=0, mode=0o600, **kwargs):
-        self.calls.append((name, flags, mode))
-        return self.real(name, flags, mode=mode, **kwargs)
+    def __call__(self, name):
+        self.names.append(name.decode())
+        fd = self.real(name)
+        assert not os.path.exists("/dev/shm" + self.names[-1]), "the name must be gone when the fd comes back"
+        return fd
 
 
 def test_segments_are_private_exclusive_unguessable_and_unlinked(monkeypatch):
     recorder = _Recorder()
-    monkeypatch.setattr(segment_module.posix_ipc, "SharedMemory", recorder)
+    monkeypatch.setattr(segment_module._ring, "open_unlinked", recorder)
     segments = []
     for _ in range(32):
         segment = create_segment(64 * 1024, 0)
         segments.append(segment)
-        name, flags, mode = recorder.calls[-1]
-        assert not os.path.exists("/dev/shm" + name), "the name must be unlinked before create_segment returns"
         st = os.fstat(segment.fd)
-        assert stat.S_IMODE(st.st_mode) == 0o600 and mode == 0o600
+        assert stat.S_IMODE(st.st_mode) == 0o600
         assert st.st_uid == os.geteuid()
-        assert flags == posix_ipc.O_CREX, "must never attach to a segment someone else created"
-    names = [name for name, _, _ in recorder.calls]
-    assert len(set(names)) == len(names)
-    for name in names:
+        assert not os.get_inheritable(segment.fd), "a subprocess the dataset starts must not inherit it"
+    assert len(recorder.names) == 32
+    assert len(set(recorder.names)) == 32
+    for name in recorder.names:
         assert re.fullmatch(r"/shmloader-[0-9a-f]{32}", name), name  # 128 random bits
         assert str(os.getpid()) not in name
     del segments
@@ -67,8 +67,9 @@ def test_a_name_taken_by_someone_else_is_not_attached(monkeypatch):
     squatter = posix_ipc.SharedMemory("/shmloader-" + "ab" * 16, posix_ipc.O_CREX, mode=0o666, size=4096)
     try:
         monkeypatch.setattr(segment_module.secrets, "token_hex", lambda n: "ab" * 16)
-        with pytest.raises(posix_ipc.ExistentialError):
+        with pytest.raises(FileExistsError, match="shmloader-abab"):
             create_segment(64 * 1024, 0)
+        assert os.path.exists("/dev/shm/shmloader-" + "ab" * 16), "someone else's name is not ours to unlink"
     finally:
         squatter.close_fd()
         squatter.unlink()
