@@ -51,12 +51,12 @@ def reserve(int fd, uint64_t nbytes):
         raise OSError(rc, os.strerror(rc))
 
 
-cdef extern from "<sys/mman.h>" nogil:
-    int shm_open(const char *name, int oflag, unsigned int mode)
-    int shm_unlink(const char *name)
-
 cdef extern from "<fcntl.h>" nogil:
-    int O_CREAT, O_EXCL, O_RDWR
+    int O_CREAT, O_EXCL, O_RDWR, O_NOFOLLOW, O_CLOEXEC
+    int open(const char *path, int flags, unsigned int mode)
+
+cdef extern from "<unistd.h>" nogil:
+    int unlink(const char *path)
 
 cdef extern from "<signal.h>" nogil:
     ctypedef struct sigset_t:
@@ -66,8 +66,9 @@ cdef extern from "<signal.h>" nogil:
     int pthread_sigmask(int how, const sigset_t *signals, sigset_t *before)
 
 
-def open_unlinked(bytes name):
-    """shm_open(`name`) exclusively (mode 0600, close-on-exec) and shm_unlink it at once; the fd.
+def open_unlinked(bytes path):
+    """Create the file `path` exclusively (mode 0600, close-on-exec, no symlink followed) and
+    unlink it at once; its fd.  On /dev/shm this is shm_open and shm_unlink as glibc makes them.
 
     NOTE [ Segments ] in segment.py: between the two calls no other Python thread runs (the GIL
     is held, so none can call os._exit with the name still there) and this thread's signals
@@ -76,14 +77,14 @@ def open_unlinked(bytes name):
     cdef int fd, err = 0
     sigfillset(&every_signal)
     pthread_sigmask(SIG_BLOCK, &every_signal, &before)
-    fd = shm_open(name, O_CREAT | O_EXCL | O_RDWR, 0o600)
+    fd = open(path, O_CREAT | O_EXCL | O_RDWR | O_NOFOLLOW | O_CLOEXEC, 0o600)
     if fd < 0:
         err = errno
     else:
-        shm_unlink(name)
+        unlink(path)
     pthread_sigmask(SIG_SETMASK, &before, NULL)
     if fd < 0:
-        raise OSError(err, os.strerror(err), name.decode())
+        raise OSError(err, os.strerror(err), path.decode())
     return fd
 
 

@@ -5,8 +5,8 @@ moved away from a kept arena) both create segments; this module is all they shar
 a segment serves, when it is made and when it goes is the ring's policy, not this module's.
 
 NOTE [ Segments ]
-  A segment's name exists only for the instant between shm_open and shm_unlink, two system
-  calls in one C function (`_ring.open_unlinked`): processes share it by passing the fd over
+  A segment's name exists only for the instant between its creation in /dev/shm (O_EXCL, mode
+  0600) and its unlink, two system calls in one C function (`_ring.open_unlinked`): processes share it by passing the fd over
   their control socket (SCM_RIGHTS), so no crash of any process can leave an entry behind in
   /dev/shm.  No Python code runs between the two calls, in this thread or another (the GIL is
   held), so an os._exit elsewhere (the training script's, a worker's watch thread's) cannot
@@ -171,7 +171,7 @@ def _reserved(fd: int, capacity: int, populate: bool) -> _ring.Segment:
 
 
 def _create(capacity: int, what: str, populate: bool) -> _ring.Segment:
-    fd = _ring.open_unlinked(("/shmloader-" + secrets.token_hex(16)).encode())
+    fd = _ring.open_unlinked(f"{SHM_DIR}/shmloader-{secrets.token_hex(16)}".encode())
     try:
         return _reserved(fd, capacity, populate)
     except OSError as exc:

@@ -1,6 +1,6 @@
 """Security: what another process could do to a slot, and what a corrupt slot could do to us.
 
-Segments are created exclusively (O_CREX), mode 0600, under 128-bit random names that exist only
+Segments are created exclusively (O_EXCL), mode 0600, under 128-bit random names that exist only
 for the instant between shm_open and shm_unlink; workers refuse a slot whose header disagrees with
 the task (size, generation, magic, version); the main process refuses a header or a descriptor
 that points outside its slot.  The trust model is in the README (Reliability).
@@ -31,16 +31,16 @@ MAGIC_AT, VERSION_AT, DESC_BYTES_AT, PAYLOAD_END_AT, DESC_OFFSET_AT = 0, 8, 48, 
 
 
 class _Recorder:
-    """Wraps _ring.open_unlinked to record the names segments are made under."""
+    """Wraps _ring.open_unlinked to record the paths segments are made under."""
 
     def __init__(self):
         self.names = []
         self.real = _ring.open_unlinked
 
-    def __call__(self, name):
-        self.names.append(name.decode())
-        fd = self.real(name)
-        assert not os.path.exists("/dev/shm" + self.names[-1]), "the name must be gone when the fd comes back"
+    def __call__(self, path):
+        self.names.append(path.decode())
+        fd = self.real(path)
+        assert not os.path.exists(self.names[-1]), "the name must be gone when the fd comes back"
         return fd
 
 
@@ -58,9 +58,23 @@ def test_segments_are_private_exclusive_unguessable_and_unlinked(monkeypatch):
     assert len(recorder.names) == 32
     assert len(set(recorder.names)) == 32
     for name in recorder.names:
-        assert re.fullmatch(r"/shmloader-[0-9a-f]{32}", name), name  # 128 random bits
+        assert re.fullmatch(r"/dev/shm/shmloader-[0-9a-f]{32}", name), name  # 128 random bits
         assert str(os.getpid()) not in name
     del segments
+
+
+def test_a_symlink_planted_at_the_name_is_not_followed(monkeypatch, tmp_path):
+    link = "/dev/shm/shmloader-" + "cd" * 16
+    target = tmp_path / "victim"
+    os.symlink(target, link)
+    try:
+        monkeypatch.setattr(segment_module.secrets, "token_hex", lambda n: "cd" * 16)
+        with pytest.raises(FileExistsError, match="shmloader-cdcd"):
+            create_segment(64 * 1024, 0)
+        assert not target.exists(), "the segment must not be made where the link points"
+        assert os.path.islink(link), "someone else's name is not ours to unlink"
+    finally:
+        os.unlink(link)
 
 
 def test_a_name_taken_by_someone_else_is_not_attached(monkeypatch):
