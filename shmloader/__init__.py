@@ -10,6 +10,7 @@ from .errors import (
     LoaderBrokenError,
     LoaderTimeoutError,
     MissingKeyError,
+    NotATensorError,
     RingFullError,
     ShmCapacityError,
     ShmCapacityWarning,
@@ -40,5 +41,6 @@ __all__ = [
     "LayoutError",
     "BatchShapeError",
     "MissingKeyError",
+    "NotATensorError",
     "SlotProtocolError",
 ]

@@ -44,7 +44,7 @@ HEADROOM = 1.1  # workers suggested = ceil(needed × HEADROOM)
 MIN_BATCHES = 5  # fewer steady-state batches than this: no verdict
 IDLE_WHILE_WAITING = 0.25  # workers idle this much while the loop waits: prefetch_factor too low
 SLOT_WAIT = 0.10  # workers waiting for a slot this much while the loop waits: slots are scarce
-RUN_QUEUE = 0.25  # workers waiting for a CPU this share of their busy time: too few cores
+RUN_QUEUE = 0.25  # workers waiting for a CPU this share of their time: too few cores
 MAIN_RUN_QUEUE = 0.05  # the training thread waiting for a CPU this share of the time: too many workers
 
 # protocol.STAGES grouped as the table shows them
@@ -353,9 +353,12 @@ def assess(f: dict) -> tuple[str, int | None, str, list[str]]:
         if not advice and suggested <= num_workers:
             advice.append(f"uneven sample times make the loop wait on the slowest batch: a "
                           f"larger prefetch_factor (now {f['prefetch_factor']}) absorbs them")
-        if queue is not None and busy_per_batch > 0 and queue / busy_per_batch >= RUN_QUEUE:
+        # Of all their time, as the table's "cpu wait": the run queue fills on idle wake-ups too,
+        # so against busy time alone an idle worker's wake-ups read as contention.
+        queue_share = None if queue is None or active <= 0 else queue * done / active
+        if queue_share is not None and queue_share >= RUN_QUEUE:
             advice.append(
-                f"workers waited {_pct(queue / busy_per_batch)} of their busy time for a CPU: "
+                f"workers waited {_pct(queue_share)} of their time for a CPU: "
                 f"{num_workers} workers and the training process share {_cores(cores)} cores")
     return bound, suggested, "; ".join(parts), advice
 
@@ -422,7 +425,7 @@ def format_stats(stats) -> str:
     ]
     timing = getattr(stats, "timing", None)
     if timing is None:
-        lines.append("timing: off (SHMLOADER_TIMING=0)")
+        lines.append(f"timing: off ({getattr(stats, 'timing_off', '') or 'SHMLOADER_TIMING=0'})")
     else:
         lines.append(format_timing(timing))
     return "\n".join(lines)

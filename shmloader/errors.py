@@ -112,6 +112,11 @@ class BatchShapeError(ShmLoaderError, RuntimeError):
     """Samples disagree on a leaf's shape or dtype, so they cannot be stacked (torch.stack's case)."""
 
 
+class NotATensorError(BatchShapeError, AttributeError):
+    """A sample's leaf is not a tensor where the batch's first sample has one (sample_parallel=True):
+    an AttributeError, as torch's default_collate raises then in a worker (it asks each numel())."""
+
+
 class MissingKeyError(BatchShapeError, KeyError):
     """A dict sample lacks a key of the batch's first (sample_parallel=True): a KeyError, as torch's
     default_collate raises then, so `except KeyError` catches both."""

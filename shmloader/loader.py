@@ -101,7 +101,7 @@ class LoaderStats:
     (NOTE [ Batches that wait for their turn ] in scheduler.py); overflow_slots: slots made
     outside /dev/shm because it was full of batches the loop holds (NOTE [ Overflow slots ] in
     ring.py); timing: where the time goes and the verdict (diagnosis.py;
-    None with SHMLOADER_TIMING=0).  After an epoch (workers stopped, ring closed), the epoch's
+    None with SHMLOADER_TIMING=0 or sample_parallel=True, `timing_off` says which).  After an epoch (workers stopped, ring closed), the epoch's
     figures, ring_bytes as the epoch left it, but held_segments, held_bytes, reserved_bytes and
     in_use_bytes as they are now: only the batches still held reserve memory then.  print() it
     for a table, as_dict() for logging."""
@@ -126,6 +126,7 @@ class LoaderStats:
     slot_shrinks: int = 0
     spilled_batches: int = 0
     overflow_slots: int = 0
+    timing_off: str = ""  # why timing is None: "SHMLOADER_TIMING=0", or the mode that has none
 
     @property
     def control_bytes_per_batch(self) -> float:

@@ -69,7 +69,7 @@ import torch
 from torch.utils.data._utils import collate as torch_collate
 
 from . import layout
-from .errors import BatchShapeError, LayoutError, MissingKeyError
+from .errors import BatchShapeError, LayoutError, MissingKeyError, NotATensorError
 
 __all__ = [
     "RowLeaf", "RowSchema", "RowsUnsupportedError", "learn_schema", "publish_batch",
@@ -91,8 +91,14 @@ class RowsUnsupportedError(LayoutError):
 
 _NUMBER_DTYPES = {float: torch.float64, int: torch.int64, bool: torch.bool}
 _PACK = {float: struct.Struct("=d").pack, int: struct.Struct("=q").pack, bool: struct.Struct("=?").pack}
-# Rows (other than row 0) torch's collate turns into the same dtype as row 0's type gives.
-_ACCEPTS = {float: (float, int, bool), int: (int, bool), bool: (bool,)}
+# Rows (other than row 0) torch's collate turns into the same dtype as row 0's type gives:
+# torch.tensor(batch) of python ints with signed numpy integers or uint8 is int64 (torch refuses
+# to promote uint16/32/64), and torch.as_tensor(batch) of np.int64 scalars with those too (np.float64 and
+# float: float64 with any of these or a smaller float). Any other mix makes a dtype that
+# depends on every row (np.float32 with np.float64 is float64), which a row cannot know.
+_INTEGERS = (int, bool, np.int8, np.int16, np.int32, np.int64, np.uint8)
+_FLOATS = (float, np.float16, np.float32, np.float64, *_INTEGERS)
+_ACCEPTS = {float: _FLOATS, int: _INTEGERS, bool: (bool,), np.int64: _INTEGERS, np.float64: _FLOATS}
 
 
 @dataclass(frozen=True)
@@ -360,6 +366,8 @@ def _check_leaf(leaf: RowLeaf, value, row: int):
     number), or raise naming the leaf's path and the row."""
     kind = leaf.kind
     if kind == "ndarray":
+        if type(value) is torch.Tensor and row > 0:  # torch.as_tensor of each sample, then a stack
+            return _tensor_row(leaf, value, row)
         if type(value) is not np.ndarray:
             raise _mismatch("sample leaf differs", leaf.path, row, leaf.describe(), _describe(value))
         if row == 0 and value.dtype != leaf.numpy_dtype:  # row 0 sets the batch's dtype
@@ -380,25 +388,24 @@ def _check_leaf(leaf: RowLeaf, value, row: int):
         return value
     if kind == "tensor":
         if type(value) is not torch.Tensor:
-            raise _mismatch("sample leaf differs", leaf.path, row, leaf.describe(), _describe(value))
+            error = _mismatch("sample leaf differs", leaf.path, row, leaf.describe(), _describe(value))
+            # torch's default_collate in a worker sums the samples' numel() first
+            try:
+                value.numel()
+                torchs = "a stack of tensors only"
+            except Exception as exc:
+                torchs = str(exc)
+            raise NotATensorError(f"{error}: {torchs} (torch's error); return a tensor in every sample")
         if row == 0 and value.dtype != leaf.dtype:  # row 0 sets the batch's dtype
             raise _mismatch("sample dtype differs", leaf.path, row, leaf.describe(), _describe(value))
-        if tuple(value.shape) == leaf.row_shape and value.dtype != leaf.dtype:
-            value = _cast_as_torch_stacks(leaf, value, row)
-        if value.dtype != leaf.dtype or tuple(value.shape) != leaf.row_shape:
-            raise _mismatch("cannot stack samples", leaf.path, row, leaf.describe(), _describe(value))
-        if (value.layout != torch.strided or value.device.type != "cpu" or value.is_nested
-                or value.requires_grad):
-            raise RowsUnsupportedError(
-                f"cannot write {_describe(value)} at {leaf.path} row {row} as a row: torch's "
-                f"default_collate stacks a {value.device.type} / {value.layout} / grad-requiring "
-                f"tensor with torch.stack; {_ADVICE}")
-        return value.resolve_conj().resolve_neg()
+        return _tensor_row(leaf, value, row)
     source = leaf.source_type
     if kind == "numpy scalar":
-        if type(value) is not source:
+        if type(value) is source:
+            return value.tobytes()
+        if row == 0 or type(value) not in _ACCEPTS.get(source, ()):
             raise _mismatch("sample leaf differs", leaf.path, row, leaf.describe(), _describe(value))
-        return value.tobytes()
+        return source(value).tobytes()
     if type(value) is not source and (row == 0 or type(value) not in _ACCEPTS[source]):
         error = _mismatch("sample leaf differs", leaf.path, row, leaf.describe(), _describe(value))
         if type(value) in _PACK:  # e.g. a float among int labels: torch makes that batch float
@@ -411,6 +418,21 @@ def _check_leaf(leaf: RowLeaf, value, row: int):
         return _PACK[source](source(value))
     except (struct.error, OverflowError) as exc:
         raise OverflowError(f"{value} at {leaf.path} row {row} does not fit {_torch_name(leaf.dtype)}: {exc}") from None
+
+
+def _tensor_row(leaf: RowLeaf, value: torch.Tensor, row: int) -> torch.Tensor:
+    """A tensor row ready to copy: cast into row 0's dtype as torch stacks it, or torch's error."""
+    if tuple(value.shape) == leaf.row_shape and value.dtype != leaf.dtype:
+        value = _cast_as_torch_stacks(leaf, value, row)
+    if value.dtype != leaf.dtype or tuple(value.shape) != leaf.row_shape:
+        raise _mismatch("cannot stack samples", leaf.path, row, leaf.describe(), _describe(value))
+    if (value.layout != torch.strided or value.device.type != "cpu" or value.is_nested
+            or value.requires_grad):
+        raise RowsUnsupportedError(
+            f"cannot write {_describe(value)} at {leaf.path} row {row} as a row: torch's "
+            f"default_collate stacks a {value.device.type} / {value.layout} / grad-requiring "
+            f"tensor with torch.stack; {_ADVICE}")
+    return value.resolve_conj().resolve_neg()
 
 
 def _cast_as_torch_stacks(leaf: RowLeaf, value: torch.Tensor, row: int) -> torch.Tensor:

@@ -77,6 +77,14 @@ NOTE [ The first batch first ]
   slots that have a segment, or get theirs once the first batch is delivered; with
   persistent_workers the ring's segments outlive the epoch and nothing waits.
 
+NOTE [ A full ring under a cap ]
+  Under max_ring_slots / max_ring_bytes a batch may find no slot: every one is held by the loop
+  or by a batch in flight.  That is RingFullError only where nothing can change it: the loop is
+  about to wait for that very batch (`_fill(waiting=True)`) and no batch in flight is still
+  being written.  Right after a batch is handed over the loop still holds the one before it (a
+  for loop rebinds its variable only after next() returns), so claiming the next batch's slot
+  then may fail with no error: the next next() claims it once that batch is let go.
+
 NOTE [ Rows born in place ]
   A dataset that makes its sample's array (np.random.random(shape), np.empty then fill, a
   decoder's output) would have it copied into its row: one more pass over every byte, on the
@@ -457,9 +465,10 @@ class SampleParallelIter(_PoolIter):
         self._exhausted = False
         self._fill()
 
-    def _fill(self, create: bool = True) -> None:
+    def _fill(self, create: bool = True, waiting: bool = False) -> None:
         """Draw batches up to the in-flight depth and send what can be sent (without `create`,
-        only into slots that have a segment: making one waits until the loop must wait anyway)."""
+        only into slots that have a segment: making one waits until the loop must wait anyway).
+        `waiting`: the loop is about to wait for its next batch (NOTE [ A full ring under a cap ])."""
         while not self._exhausted and len(self._flight) < self._depth:
             try:
                 index = self._next_index()
@@ -470,9 +479,9 @@ class SampleParallelIter(_PoolIter):
             self._flight[(batch.epoch, batch.idx)] = batch
             self._queue.append(batch)
             self._send_idx += 1
-        self._dispatch(create)
+        self._dispatch(create, waiting)
 
-    def _dispatch(self, create: bool = True) -> None:
+    def _dispatch(self, create: bool = True, waiting: bool = False) -> None:
         while self._queue:
             batch = self._queue[0]
             if self._schemas is None or batch.relearn:
@@ -482,21 +491,23 @@ class SampleParallelIter(_PoolIter):
                                Learn(batch.epoch, batch.idx, len(batch.indices), batch.indices[0]))
                 return
             awaited = batch.epoch == self._epoch and batch.idx == self._rcvd_idx
-            if not self._claim_slot(batch, create or awaited):
+            if not self._claim_slot(batch, create or awaited, waiting and awaited):
                 return
             self._queue.pop(0)
             self._send_rows(batch)
 
-    def _claim_slot(self, batch: _Batch, create: bool = True) -> bool:
+    def _claim_slot(self, batch: _Batch, create: bool = True, stuck_without: bool = False) -> bool:
         """Give `batch` a slot of the right size, claimed for it; False if none can be had now
-        (or, without `create`, none that has a segment already)."""
+        (or, without `create`, none that has a segment already). `stuck_without`: the loop waits
+        for `batch`, so no slot and nothing in flight to free one is a full ring (RingFullError)."""
         ring = self._ring
         self._scheduler.replenish()
         if not create and not ring.has_free_created_slot():
             return False
         if not ring.can_take():
-            if not any(b.slot is not None and not b.done for b in self._flight.values()):
-                ring.make_room()  # nothing in flight to wait for: a user's cap (RingFullError)
+            # NOTE [ A full ring under a cap ]
+            if stuck_without and not any(b.slot is not None and not b.done for b in self._flight.values()):
+                ring.make_room()  # gc, spill or an overflow slot; else a user's cap (RingFullError)
             return False
         slot = ring.take_free_slot(created_only=not create)
         generation, capacity, hint = ring.task_geometry(slot)
@@ -662,7 +673,7 @@ class SampleParallelIter(_PoolIter):
                 self._rcvd_idx += 1
                 self._fill(create=False)  # the next batches go on; new segments can wait
                 return batch
-            self._fill(create=self._rcvd_idx > 0)  # NOTE [ The first batch first ]
+            self._fill(create=self._rcvd_idx > 0, waiting=True)  # NOTE [ The first batch first ]
             batch = self._flight.get(key)
             if batch is None and self._exhausted:
                 if not self._persistent_workers:
@@ -707,7 +718,8 @@ class SampleParallelIter(_PoolIter):
         pool = self._pool
         return LoaderStats(ring_slots=ring.slots, reserved_bytes=ring.reserved_bytes, batches=self._batches,
                            in_place_bytes=self._in_place_bytes, control_bytes=pool.control_bytes if pool else 0,
-                           control_messages=pool.control_messages if pool else 0, timing=None, **shared)
+                           control_messages=pool.control_messages if pool else 0, timing=None,
+                           timing_off="not measured with sample_parallel=True", **shared)
 
     def _drop_buffered(self) -> None:
         self._flight.clear()  # batches read ahead, never delivered: their leases go

@@ -191,7 +191,16 @@ def test_run_queue_time_is_not_counted_as_work():
     _, suggested, verdict, advice = diagnosis.assess(
         _figures(ws, wait_s=1.0, step_s=1.0, cores=16))
     assert suggested == 3, verdict  # (10 + 10) ms uncontended / 10 ms step, with headroom
-    assert any("waited 50% of their busy time for a CPU" in a for a in advice), advice
+    assert any("waited 50% of their time for a CPU" in a for a in advice), advice
+
+
+def test_an_idle_workers_wake_ups_are_not_called_contention():
+    """Found by a new-user check: run-queue time counted since start-up (idle wake-ups too) was
+    divided by busy time alone, so mostly idle workers read as waiting 53-107% for a CPU while the
+    table's "cpu wait" column said 1-4%."""
+    ws = [_worker(i, fetching=0.1, idle=4.0, cpu=0.2, queue=0.1) for i in range(2)]
+    _, _, _, advice = diagnosis.assess(_figures(ws, wait_s=1.0, step_s=1.0))
+    assert not any("for a CPU" in a for a in advice), advice
 
 
 def test_idle_workers_while_the_loop_waits_mean_prefetch_is_too_low():

@@ -15,7 +15,14 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
-from shmloader import BatchShapeError, LoaderBrokenError, ShmDataLoader, WorkerDiedError
+from shmloader import (
+    BatchShapeError,
+    LoaderBrokenError,
+    LoaderStats,
+    RingFullError,
+    ShmDataLoader,
+    WorkerDiedError,
+)
 from tests._helpers import assert_same_batches, collect, seeded
 
 pytestmark = [
@@ -39,6 +46,16 @@ class Arrays(Dataset):
         if self.kind == "pair":
             return image, i
         return {"image": np.full((2, 3), i % 256, np.uint8), "label": i, "weight": i * 0.25}
+
+
+class LargeRows(Dataset):
+    """256 KiB samples: batches that the loop holds in their slots (tiny ones come back as copies)."""
+
+    def __len__(self):
+        return 23
+
+    def __getitem__(self, i):
+        return np.full((64, 1024), i, np.float32)
 
 
 class Noisy(Dataset):
@@ -155,16 +172,27 @@ def test_other_start_methods(start_method):
     assert_same_batches(other, forked)
 
 
-@pytest.mark.parametrize("max_ring_slots", [3, 4])
+@pytest.mark.parametrize("max_ring_slots", [2, 3, 4])
 def test_a_capped_ring(max_ring_slots):
     """max_ring_slots below the mode's depth: fewer batches in flight, the same batches; the
-    cap holds (the ring never has more segments than it allows)."""
-    want = collect(DataLoader(Arrays(23, "array"), batch_size=3, num_workers=2))
-    loader = ShmDataLoader(Arrays(23, "array"), batch_size=3, num_workers=2, max_ring_slots=max_ring_slots,
+    cap holds (the ring never has more segments than it allows). With 2 slots a plain for loop
+    holds one batch while next() completes the other (found by a new-user check: RingFullError
+    after one batch; NOTE [ A full ring under a cap ])."""
+    want = collect(DataLoader(LargeRows(), batch_size=3, num_workers=2))
+    loader = ShmDataLoader(LargeRows(), batch_size=3, num_workers=2, max_ring_slots=max_ring_slots,
                            sample_parallel=True)
     assert_same_batches(collect(loader), want)
     stats = loader.stats()
     assert stats.ring_slots <= max_ring_slots and stats.ring_bytes <= max_ring_slots * stats.slot_bytes, stats
+
+
+def test_a_loop_that_holds_as_many_batches_as_the_cap_allows_gets_ring_full_error():
+    loader = ShmDataLoader(LargeRows(), batch_size=3, num_workers=2, max_ring_slots=2, sample_parallel=True)
+    it = iter(loader)
+    held = [next(it), next(it)]
+    with pytest.raises(RingFullError, match="max_ring_slots=2"):
+        next(it)
+    del held, it
 
 
 def test_per_sample_seeding_is_independent_of_the_workers():
@@ -486,3 +514,74 @@ def test_a_batch_whose_numbers_are_of_another_type_is_torchs_batch():
     kwargs = dict(batch_size=4, num_workers=2)
     assert_same_batches(collect(ShmDataLoader(LabelTypePerBatch(), sample_parallel=True, **kwargs)),
                         collect(DataLoader(LabelTypePerBatch(), **kwargs)))
+
+
+class MixedLeafTypes(Dataset):
+    """Row 0 of each batch has one type at "x", the other rows `other` (found by a new-user
+    check: every one of these raised BatchShapeError where torch collates them)."""
+
+    def __init__(self, first, other):
+        self.first, self.other = first, other
+
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, i):
+        make = self.first if i % 4 == 0 else self.other
+        return {"x": make(i + 1), "y": np.full(2, i, np.float32)}
+
+
+def _as(kind):
+    return {"int": int, "bool": lambda i: bool(i % 2), "float": lambda i: i + 0.1}.get(kind) or (
+        lambda i: getattr(np, kind)(i + (0.1 if kind.startswith("float") else 0)))
+
+
+@pytest.mark.parametrize("first, other", [
+    ("int", "int64"), ("int64", "int"), ("int", "uint8"), ("int64", "int32"), ("int64", "int8"),
+    ("int64", "bool"), ("float", "float32"), ("float", "int64"), ("float64", "float"),
+    ("float64", "float16"), ("float64", "int"), ("float64", "int32"),
+])
+def test_numbers_of_mixed_types_are_torchs_batch_where_row_0_sets_its_dtype(first, other):
+    dataset = MixedLeafTypes(_as(first), _as(other))
+    want = collect(DataLoader(dataset, batch_size=4, num_workers=2))
+    got = collect(ShmDataLoader(dataset, batch_size=4, num_workers=2, sample_parallel=True))
+    assert_same_batches(got, want)
+
+
+def test_a_tensor_among_array_rows_is_stacked_as_torch_stacks_it():
+    dataset = MixedLeafTypes(lambda i: np.full(3, i, np.int64), lambda i: torch.full((3,), i, dtype=torch.int32))
+    want = collect(DataLoader(dataset, batch_size=4, num_workers=2))
+    got = collect(ShmDataLoader(dataset, batch_size=4, num_workers=2, sample_parallel=True))
+    assert_same_batches(got, want)
+    assert got[0]["x"].dtype == torch.int64
+
+
+def test_a_mix_whose_dtype_depends_on_every_row_is_a_clear_error():
+    """np.float64 among np.float32 scalars: torch makes the batch float64, row 0 says float32."""
+    dataset = MixedLeafTypes(np.float32, np.float64)
+    assert collect(DataLoader(dataset, batch_size=4, num_workers=2))[0]["x"].dtype == torch.float64
+    with pytest.raises(BatchShapeError, match=r"expected float32 at batch\['x'\] row 1, got float64"):
+        collect(ShmDataLoader(dataset, batch_size=4, num_workers=2, sample_parallel=True))
+
+
+@pytest.mark.parametrize("sample_parallel", [False, True])
+def test_a_leaf_that_is_no_tensor_after_a_tensor_raises_torchs_attribute_error(sample_parallel):
+    dataset = MixedLeafTypes(lambda i: torch.full((3,), i), lambda i: np.full(3, i))
+    with pytest.raises(AttributeError, match="no attribute 'numel'") as torchs:
+        collect(DataLoader(dataset, batch_size=4, num_workers=2))
+    with pytest.raises(AttributeError, match="'numpy.ndarray' object has no attribute 'numel'") as ours:
+        collect(ShmDataLoader(dataset, batch_size=4, num_workers=2, sample_parallel=sample_parallel))
+    assert "'numpy.ndarray' object" in str(torchs.value)
+    if sample_parallel:
+        assert isinstance(ours.value, BatchShapeError) and "batch['x'] row 1" in str(ours.value)
+
+
+def test_stats_say_why_timing_is_none():
+    """Found by a new-user check: print(stats()) said "timing: off (SHMLOADER_TIMING=0)" with
+    the variable unset; this mode keeps no stage clocks, and stats() now says so."""
+    loader = ShmDataLoader(Arrays(12, "array"), batch_size=3, num_workers=2, sample_parallel=True)
+    collect(loader)
+    stats = loader.stats()
+    assert stats.timing is None and stats.timing_off == "not measured with sample_parallel=True"
+    assert "timing: off (not measured with sample_parallel=True)" in str(stats)
+    assert LoaderStats.from_dict(stats.as_dict()) == stats
