@@ -120,6 +120,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="before each run, wait up to SECONDS for other processes to go idle "
                          "(for shared machines; default 0: do not wait)")
     ap.add_argument("--replot", metavar="JSON", help="print and plot a saved result; run nothing")
+    ap.add_argument("--history", metavar="JSON", nargs="+",
+                    help="the targets measured in saved results, one column per file: met or "
+                         "missed in each run; run nothing")
     return ap
 
 
@@ -360,6 +363,19 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     # seed001 runs 8 workers on small machines on purpose: torch's advice about that is noise here
     warnings.filterwarnings("ignore", message="This DataLoader will create")
+    if args.history:
+        import json
+
+        from . import history
+
+        runs = []
+        for path in args.history:
+            with open(path) as f:
+                doc = json.load(f)
+            report.validate(doc)
+            runs.append((path, doc))
+        print(history.history_table(runs), end="")
+        return 0
     if args.replot:
         import json
 

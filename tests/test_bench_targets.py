@@ -68,3 +68,26 @@ def test_memory_and_mode_targets_read_their_own_metric():
         epochs["transports"]["shmloader-epoch-prefetch"]["repeats"][i]["steady_wait_s"] = steady
     (c,) = [c for c in targets.check(_doc(epochs))]
     assert c["ratios"] == [1.5, 0.5] and c["met"] is True  # the median of two: their mean, 1.0
+
+
+def test_the_history_shows_each_run_met_or_missed_and_counts_the_runs(tmp_path):
+    from bench import history
+
+    key = "seed001/large/w8/step"
+
+    def run(shm, bound, commit, cpu):
+        doc = _doc(_point(key, 8, {"shmloader": shm}), bounds={key: bound})
+        doc["machine"] = {"git_commit": commit, "cpu": cpu}
+        return doc
+
+    runs = [("r/main.json", run([0.070, 0.072, 0.074], [0.065] * 3, "aaaaaaa1", "Xeon")),
+            ("r/main-b.json", run([0.0749, 0.0749, 0.0749], [0.065] * 3, "bbbbbbb2", "EPYC")),
+            ("r/main-c.json", run([0.070], [0.070], "ccccccc3", "EPYC"))]
+    text = history.history_table(runs)
+    header, cpus, row = text.splitlines()
+    assert "main aaaaaaa" in header and "main-b bbbbbbb" in header and "main-c ccccccc" in header
+    assert "Xeon" in cpus and "EPYC" in cpus
+    assert "1.11 met" in row  # 0.072 / 0.065, at the median
+    assert "1.152 MISSED" in row  # rounds to the limit: a third digit shows the side
+    assert "1.00 met" in row and row.endswith("2 of 3 runs")
+    assert history.history_table([("r/x.json", _doc())]) == "no target was measured in these runs\n"
