@@ -14,7 +14,12 @@ a verdict in words:
     CPU runs out first: the workers need c / T cores (c: CPU seconds per batch) and have the
     machine's cores less what the training process itself uses; past that more workers only
     share the cores, so the suggestion stops at the count that fills them;
-  * what else would help: workers idle while the loop waits (prefetch_factor too low), workers
+  * what else would help: workers idle while the loop waits (prefetch_factor too low) — unless
+    most of the wait (READY_HANDOVER or more) was spent in next() calls whose batch had arrived
+    before they looked for it: then the wait is the loader's own hand-over of a batch, which
+    neither more workers nor a deeper prefetch shortens, and the step is short against it (the
+    share of calls alone would not tell: workers in lockstep deliver batches in bunches, and all
+    but the first of a bunch are there already); workers
     waiting for slots while the loop waits (slots scarce: a cap, or batches held), workers or the
     training process waiting for a CPU (more workers than the cores can take).
 """
@@ -46,6 +51,7 @@ IDLE_WHILE_WAITING = 0.25  # workers idle this much while the loop waits: prefet
 SLOT_WAIT = 0.10  # workers waiting for a slot this much while the loop waits: slots are scarce
 RUN_QUEUE = 0.25  # workers waiting for a CPU this share of their time: too few cores
 MAIN_RUN_QUEUE = 0.05  # the training thread waiting for a CPU this share of the time: too many workers
+READY_HANDOVER = 0.5  # this share of the wait in calls whose batch was there: the wait is the hand-over
 
 # protocol.STAGES grouped as the table shows them
 _GROUPS = {
@@ -97,7 +103,10 @@ class LoaderTiming:
     iter() (its own work included), `main_run_queue_fraction` the share of that time its thread
     waited for a CPU (None where unknown), `cores`: CPUs this process may use.  `bound` is "input",
     "compute", "balanced" or "unknown"; `suggested_workers` the workers that would keep up on
-    this machine; `verdict` says it in words and `advice` lists what else would help."""
+    this machine; `verdict` says it in words and `advice` lists what else would help.
+    `ready_fraction`: the share of those next() calls whose batch had arrived before the call
+    looked for it, and `ready_wait_s` their wait in all (the loader's own hand-over; both None
+    from an older record)."""
 
     num_workers: int
     prefetch_factor: int
@@ -118,6 +127,8 @@ class LoaderTiming:
     suggested_workers: int | None
     verdict: str
     advice: tuple[str, ...]
+    ready_fraction: float | None = None
+    ready_wait_s: float | None = None
 
     @property
     def wait_per_batch_s(self) -> float:
@@ -211,6 +222,8 @@ def diagnose(clock: BatchClock, workers: list[WorkerTiming], prefetch_factor: in
         main_cpu_fraction=max(0.0, (now_cpu_ns - clock.created_cpu_ns) / elapsed),
         main_run_queue_fraction=None if queued is None else queued / elapsed,
         workers=tuple(workers),
+        ready_fraction=clock.ready / clock.batches if clock.batches else None,
+        ready_wait_s=clock.ready_wait_ns / 1e9,
     )
     bound, suggested, verdict, advice = assess(figures)
     return LoaderTiming(**figures, bound=bound, suggested_workers=suggested, verdict=verdict,
@@ -329,6 +342,16 @@ def assess(f: dict) -> tuple[str, int | None, str, list[str]]:
         parts.append(f"about {_workers(suggested)} would keep up on {machine} "
                      f"(now {num_workers})")
     advice = []
+    ready, ready_wait = f.get("ready_fraction"), f.get("ready_wait_s")
+    handover = (bound == "input" and ready is not None and ready_wait is not None
+                and ready_wait >= READY_HANDOVER * f["wait_s"])
+    if handover:
+        advice.append(
+            f"the batch was already there at {_pct(ready)} of next() calls, which took "
+            f"{_pct(ready_wait / f['wait_s'])} of the wait: the wait ({_ms(wait)} per batch) is "
+            f"the loader handing batches over, which more workers or a larger prefetch_factor "
+            f"will not shorten; against a {_ms(step)} step it shows, and larger batches (fewer "
+            f"next() calls for the same samples) share it out")
     if bound == "input":
         if cpu_limited:
             advice.append("make each sample cheaper on the CPU (decode less, cache decoded "
@@ -340,7 +363,7 @@ def assess(f: dict) -> tuple[str, int | None, str, list[str]]:
                 f"{num_workers} workers and it share {_cores(cores)} cores"
                 + (f"; about {_workers(suggested)} would leave it more" if suggested < num_workers
                    else ""))
-        elif share["idle"] >= IDLE_WHILE_WAITING:
+        elif share["idle"] >= IDLE_WHILE_WAITING and not handover:
             advice.append(
                 f"workers sat idle {_pct(share['idle'])} of the time while the loop waited: "
                 f"batches are not queued early enough; raise prefetch_factor (now "
@@ -350,7 +373,7 @@ def assess(f: dict) -> tuple[str, int | None, str, list[str]]:
                 f"workers waited {_pct(share['awaiting_slot'])} of the time for a free slot: "
                 "slots are scarce; raise max_ring_slots / max_ring_bytes if you set them, or "
                 "let go of batches sooner")
-        if not advice and suggested <= num_workers:
+        if not advice and suggested <= num_workers:  # (handover's advice came first)
             advice.append(f"uneven sample times make the loop wait on the slowest batch: a "
                           f"larger prefetch_factor (now {f['prefetch_factor']}) absorbs them")
         # Of all their time, as the table's "cpu wait": the run queue fills on idle wake-ups too,
@@ -374,8 +397,11 @@ def _table(rows: list[list[str]], header: list[str]) -> list[str]:
 
 def format_timing(t: LoaderTiming) -> str:
     n = t.batches
+    ready = ("" if t.ready_fraction is None or t.ready_wait_s is None else
+             f"; batch already there: {_pct(t.ready_fraction)} of calls, "
+             f"{_pct(t.ready_wait_s / t.wait_s if t.wait_s > 0 else 0.0)} of the wait")
     lines = [f"training loop ({n} batches after each epoch's first; first batch: "
-             f"{_ms(t.startup_s)} in all):"]
+             f"{_ms(t.startup_s)} in all{ready}):"]
     lines += _table([
         ["waiting in next()", _ms(t.wait_per_batch_s), _ms(t.wait_p50_s), _ms(t.wait_p90_s),
          _ms(t.wait_max_s), _pct(t.wait_fraction)],

@@ -834,6 +834,8 @@ class _ShmLoaderIter(_PoolIter):
                 return None
             scheduler.check_not_starved(self._spill_buffered)
             wait = POLL_SECONDS if deadline is None else max(0.0, min(POLL_SECONDS, deadline - time.monotonic()))
+            if until is None:
+                self._clock.blocked = True  # the batch had not arrived: stats().timing counts it
             try:
                 ready = self._everything.ready(wait)
             except KeyboardInterrupt as exc:  # NOTE [ Ctrl-C in the wait ]

@@ -126,7 +126,7 @@ class BatchClock:
 
     __slots__ = ("enabled", "waits", "steps", "batches", "wait_ns", "step_ns", "nsteps",
                  "startup_ns", "startups", "_last", "_first", "created_ns", "created_cpu_ns",
-                 "_schedstat", "created_delay_ns")
+                 "_schedstat", "created_delay_ns", "ready", "ready_wait_ns", "blocked")
 
     def __init__(self, enabled: bool = True):
         self.enabled = enabled
@@ -135,6 +135,11 @@ class BatchClock:
         self.batches = self.nsteps = 0
         self.wait_ns = self.step_ns = self.startup_ns = 0
         self.startups = 0
+        # steady batches that had arrived before next() looked for them (its wait was then the
+        # loader's own hand-over, not the workers'); `blocked` is set by the loader when next()
+        # polls for a batch not there yet
+        self.ready = self.ready_wait_ns = 0
+        self.blocked = False
         self._last = 0  # when the last next() returned (0: none to measure a step from)
         self._first = True
         self.created_ns = time.monotonic_ns()
@@ -155,6 +160,7 @@ class BatchClock:
             self.nsteps += 1
             self.step_ns += step
             self._last = 0
+        self.blocked = False
         return now
 
     def end(self, start: int, _now=time.monotonic_ns) -> None:
@@ -171,6 +177,9 @@ class BatchClock:
             self.waits[self.batches & _MASK] = wait
             self.batches += 1
             self.wait_ns += wait
+            if not self.blocked:
+                self.ready += 1
+                self.ready_wait_ns += wait
 
     def new_epoch(self) -> None:
         """The next batch is an epoch's first; the time until it is asked for is not a step."""

@@ -57,6 +57,18 @@ def test_input_bound_loop_is_called_input_bound():
 
 
 @pytest.mark.timeout(60)
+def test_the_clock_tells_batches_already_there_from_batches_waited_for():
+    # the dataset sleeps 20 ms a batch and the loop not at all: next() waits for nearly every one
+    t = _run(ShmDataLoader(SleepDataset(sleep_ms=10), batch_size=2, num_workers=2), 20, 0.0).timing
+    assert t.ready_fraction is not None and t.ready_fraction <= 0.3, str(t)
+    assert t.ready_wait_s < 0.5 * t.wait_s, str(t)
+    # the loop steps 30 ms and the batches take none: each one is there before next() asks
+    t = _run(ShmDataLoader(SleepDataset(sleep_ms=0), batch_size=2, num_workers=2), 20, 0.03).timing
+    assert t.ready_fraction >= 0.8 and t.ready_wait_s >= 0.8 * t.wait_s, str(t)
+    assert "batch already there: " in str(t)
+
+
+@pytest.mark.timeout(60)
 def test_compute_bound_loop_is_called_compute_bound():
     # a 200 ms step: the loader's own part of next() (well under 1 ms warm; 1-4 ms on a VM whose
     # CPU comes back cold from each sleep: 3.5 ms against a 60 ms step was 5.5%, "balanced", in
@@ -207,6 +219,21 @@ def test_idle_workers_while_the_loop_waits_mean_prefetch_is_too_low():
     ws = [_worker(i, fetching=1.0, idle=1.0) for i in range(2)]
     _, _, _, advice = diagnosis.assess(_figures(ws, wait_s=1.0, step_s=1.0, prefetch=1))
     assert any("raise prefetch_factor (now 1)" in a for a in advice), advice
+
+
+def test_a_wait_for_batches_already_there_is_the_hand_over_not_too_little_prefetch():
+    """Found by a new-user check: a 1 ms step with idle workers was told to raise
+    prefetch_factor, though every batch was there before next() asked: the wait (0.18 ms) was
+    the loader's own hand-over, which a deeper prefetch does not shorten."""
+    ws = [_worker(i, fetching=1.0, idle=1.0) for i in range(2)]
+    figures = _figures(ws, wait_s=0.18, step_s=1.0, prefetch=2)
+    _, _, _, advice = diagnosis.assess({**figures, "ready_fraction": 0.95, "ready_wait_s": 0.17})
+    assert not any("raise prefetch_factor" in a for a in advice), advice
+    assert any("already there at 95% of next() calls" in a and "hand" in a for a in advice), advice
+    # 8 workers in lockstep: 7 of 8 batches are there already, but the wait is for the 8th
+    _, _, _, advice = diagnosis.assess({**figures, "ready_fraction": 0.875, "ready_wait_s": 0.01})
+    assert any("raise prefetch_factor (now 2)" in a for a in advice), advice
+    assert not any("already there" in a for a in advice), advice
 
 
 def test_workers_waiting_for_slots_while_the_loop_waits_mean_slots_are_scarce():
