@@ -3,8 +3,9 @@
 A worker's samples and batches are large arrays.  glibc returns freed memory of more than 128
 KiB to the OS at once (munmap, trimming), and the page faults of touching it again cost more than
 making the samples (FACTS.md), so workers keep it (`keep_freed_memory`).  Once a worker fetches
-its samples into slots (NOTE [ Samples born in the slot ] in samples_in_slot.py) the heap no
-longer needs a batch's worth, and `release_free_memory` gives what it holds back.
+its samples into slots (NOTE [ Samples born in the slot ] in samples_in_slot.py, "The heap it
+no longer needs") the heap no longer needs a batch's worth, and `release_free_memory` gives what
+it holds back.
 """
 
 from __future__ import annotations

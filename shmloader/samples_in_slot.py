@@ -60,6 +60,13 @@ NOTE [ Samples born in the slot ]
   little room for small temporaries.  Kept arrays are handled as for the collate_fn's own (the
   batch moved).
 
+  The heap it no longer needs.  Rows fetched while no grant is in hand (at start-up the ring's
+  slots are still being made, NOTE [ Spare segments ] in spares.py) are made on the heap, and
+  heap.keep_freed_memory keeps that batch's worth there after it is freed.  Once RELEASE_AFTER
+  batches in a row are fetched wholly in place, the worker gives it back (heap.py), once per
+  such spell: in a new-user check (batches of 64 images of 147 KiB, 2 workers), 8 MiB per
+  worker for the rest of the run.  A worker whose rows keep finding no grant keeps it.
+
   When it stops.  A sample with no array leaf of at least IN_PLACE_MIN_BYTES a row, or a batch
   in which no arena was taken (the dataset returns arrays it made before: nothing to gain), turns
   it off for that worker.  SHMLOADER_SLOT_ARENA=0 turns it off everywhere, with the collate_fn
@@ -82,6 +89,7 @@ from .errors import NoRoomForSlot
 from .rows import IN_PLACE_MIN_BYTES
 
 LEARN_BATCHES = 2  # custom collate_fn: batches watched for samples passed through
+RELEASE_AFTER = 2  # default collate: batches wholly in place before the heap's free memory goes back
 
 
 @dataclass(frozen=True)
@@ -120,6 +128,10 @@ class SamplesInSlot:
     def __init__(self, iterable: bool):
         self.on = os.environ.get("SHMLOADER_SLOT_ARENA", "1") != "0"
         self.iterable = iterable
+        # "The heap it no longer needs" (NOTE above): rows fetched on the heap since the last
+        # release, and the batches fetched wholly in place since then
+        self.heap_rows = 0
+        self.in_place_batches = 0
         self._reset()
 
     def _reset(self) -> None:
@@ -139,20 +151,30 @@ class SamplesInSlot:
         size = len(index)
         last = size - 1 if self.iterable else size
 
+        on_heap = 0
+
         def around_sample(k: int, fetched: list):
+            nonlocal on_heap
             if k == 1:
                 self.target = row_target(fetched[0], size)
                 self.on = self.target is not None  # off for good: nothing row-sized to fetch in place
             if k >= last or self.target is None:
                 return None
             if self.segment is None and not self._take_slot(worker):
+                on_heap += 1
                 return None  # no grant yet: asked again at the next sample
             at = self.target.offset + k * self.target.row_nbytes
             arena = SlotArena(self.segment, at, 0, at + self.target.row_nbytes, True)
             self.arenas.append(arena)
             return arena
 
-        return torch_private.fetch_each(worker.fetcher, index, around_sample)
+        samples = torch_private.fetch_each(worker.fetcher, index, around_sample)
+        if on_heap:
+            self.heap_rows += on_heap
+            self.in_place_batches = 0
+        elif self.arenas:
+            self.in_place_batches += 1
+        return samples
 
     def _take_slot(self, worker) -> bool:
         """Take the slot of a grant in hand or waiting on the socket for this batch, if any."""
@@ -182,6 +204,15 @@ class SamplesInSlot:
             self.on = False
         self.segment = self.target = None
         return kept
+
+    def after_batch(self) -> None:
+        """The batch is sent.  Rows fetched on the heap (no grant in hand yet) left a batch's
+        worth of free memory there, which heap.keep_freed_memory keeps; once RELEASE_AFTER
+        batches in a row are fetched wholly in place, the worker no longer needs it and gives it
+        back (a worker whose rows often find no grant keeps it, and is spared the page faults)."""
+        if self.heap_rows and self.in_place_batches >= RELEASE_AFTER:
+            self.heap_rows = 0
+            heap.release_free_memory()
 
 
 def returns_its_argument(function) -> bool:

@@ -665,8 +665,8 @@ class _Worker:
                 self.segments[slot] = (generation, grown)  # known to the main process only now
             else:
                 self.channel.send(Ready(epoch, idx, slot, generation, segment.size, in_place))
-            if in_slot is self.samples_in_arena:
-                in_slot.after_batch()
+            if in_slot is not None:
+                in_slot.after_batch()  # (the heap memory it no longer needs: heap.py)
         except (ChannelClosed, BrokenPipeError, ConnectionResetError, _Stopped):
             raise
         except Exception as exc:

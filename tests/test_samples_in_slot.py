@@ -312,6 +312,41 @@ def test_a_kept_sample_is_reported():
     cache.clear()
 
 
+def test_heap_memory_of_rows_fetched_before_a_grant_goes_back_once_batches_are_in_place(monkeypatch):
+    """Rows fetched while no grant is in hand (start-up: the ring's slots still being made) leave
+    a batch's worth of free memory on the worker's heap, which heap.keep_freed_memory keeps: in a
+    new-user check, 8 MiB in each worker for the rest of the run (batches of 64 images).  Once
+    RELEASE_AFTER batches come wholly in place it goes back, once; a worker that keeps fetching
+    on the heap keeps it."""
+    from shmloader import samples_in_slot
+
+    released = []
+    monkeypatch.setattr(samples_in_slot.heap, "release_free_memory", lambda: released.append(1))
+    worker = _OneSlotWorker(Made(6, "array", fetch_s=0))
+    granted = worker.grant_now
+    in_slot = SamplesInSlot(False)
+
+    def batch(with_grant: bool):
+        worker.grant_now = granted if with_grant else (lambda: None)
+        samples = in_slot.fetch(worker, list(range(6)))
+        del samples
+        in_slot.settle()
+        in_slot.after_batch()
+
+    batch(False)  # on the heap
+    batch(True)
+    assert released == []
+    batch(True)
+    assert released == [1]  # two batches in place in a row
+    batch(True)
+    assert released == [1]  # nothing more to give back
+    for with_grant in (False, True) * 3:  # the heap keeps being needed: it is kept
+        batch(with_grant)
+    assert released == [1]
+    worker = in_slot = None  # the segment goes
+    gc.collect()
+
+
 def test_small_samples_get_no_target():
     assert row_target(np.zeros(100), 8) is None
     assert row_target((np.zeros(8), 3), 8) is None
