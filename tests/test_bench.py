@@ -664,3 +664,16 @@ def test_quick_runs_end_to_end(tmp_path):
     assert "seconds per batch" in proc.stdout
     assert shm_entries() <= before
 
+
+
+@pytest.mark.timeout(120)
+def test_the_user_workloads_tool_runs_both_loaders_and_prints_their_ratios(monkeypatch, capsys):
+    from tools import user_workloads
+
+    monkeypatch.setattr(user_workloads, "REPEATS", 1)
+    monkeypatch.setattr(user_workloads, "WINDOW_S", 0.05)
+    user_workloads.main(["features", "clips-pad"])
+    out = capsys.readouterr().out
+    assert "features:" in out and "clips-pad:" in out
+    assert out.count("torch / shmloader, time:") == 2
+    assert "peak memory MB" in out

@@ -1,0 +1,215 @@
+"""Workloads as users write them, torch's DataLoader against ShmDataLoader with the same arguments:
+`python -m tools.user_workloads [NAME ...]` from the repository's root (about 3 minutes for all).
+
+Not the bench's workloads (bench/workloads.py) but a check that the speed and memory hold on
+others: images in a dict with their labels, 3-D volumes with the default collate and with
+`np.stack`, audio clips of varying length padded by a numpy collate_fn, and a feature matrix of
+(vector, label) pairs. Each sample is a fresh copy of an array from a small pool, as a decoder's
+output is; the consumer reads every byte (a sum). Per workload, 3 repeats, torch then shmloader
+in each (interleaved); each run times at least 2 s of batches after 5 untimed ones.
+
+Printed per workload, median [min-max] over the repeats: ms per batch, the ratio torch/shmloader
+paired by repeat, time to the first batch, peak memory and the main process's CPU per batch.
+Peak memory is sampled every 20 ms: the PSS of the main process and its children less their
+shared-memory pages, plus what /dev/shm holds (so a segment mapped by several processes counts
+once, as bench/memwatch.py counts it); a peak shorter than 20 ms can fall between samples.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import statistics
+import sys
+import threading
+import time
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from shmloader import ShmDataLoader
+
+REPEATS = 3
+WINDOW_S = 2.0
+
+
+def _memory_now() -> int:
+    """PSS less shared-memory pages of this process and its children, plus /dev/shm's use."""
+    total = 0
+    me = os.getpid()
+    pids = [me]
+    try:
+        with open(f"/proc/{me}/task/{me}/children") as f:
+            pids += [int(p) for p in f.read().split()]
+    except OSError:
+        pass
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/smaps_rollup") as f:
+                for line in f:
+                    if line.startswith("Pss:"):
+                        total += int(line.split()[1]) << 10
+                    elif line.startswith("Pss_Shmem:"):
+                        total -= int(line.split()[1]) << 10
+        except OSError:
+            pass
+    st = os.statvfs("/dev/shm")
+    return total + (st.f_blocks - st.f_bfree) * st.f_frsize
+
+
+class PeakMemory:
+    """The largest _memory_now() seen by a thread sampling every 20 ms while in the block."""
+
+    def __enter__(self):
+        self.peak, self._stop = 0, threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        return self
+
+    def _run(self):
+        while not self._stop.is_set():
+            self.peak = max(self.peak, _memory_now())
+            self._stop.wait(0.02)
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+
+
+class Images(Dataset):
+    """{"image": uint8 (3, 224, 224), "label": int}."""
+
+    def __init__(self):
+        rng = np.random.default_rng(0)
+        self.pool = [rng.integers(0, 255, (3, 224, 224), dtype=np.uint8) for _ in range(16)]
+
+    def __len__(self):
+        return 1 << 20
+
+    def __getitem__(self, i):
+        return {"image": self.pool[i % 16].copy(), "label": i % 1000}
+
+
+class Volumes(Dataset):
+    """float32 (1, 96, 96, 96), 3.4 MiB."""
+
+    def __init__(self):
+        rng = np.random.default_rng(0)
+        self.pool = [rng.random((1, 96, 96, 96), dtype=np.float32) for _ in range(8)]
+
+    def __len__(self):
+        return 1 << 20
+
+    def __getitem__(self, i):
+        return self.pool[i % 8].copy()
+
+
+class Clips(Dataset):
+    """float32 clips of 16000 to 48000 samples."""
+
+    def __init__(self):
+        rng = np.random.default_rng(0)
+        self.pool = [rng.random(n, dtype=np.float32) for n in range(16000, 48001, 2000)]
+
+    def __len__(self):
+        return 1 << 20
+
+    def __getitem__(self, i):
+        return self.pool[i % len(self.pool)].copy()
+
+
+class Features(Dataset):
+    """(float32 (4096,), np.int64 label)."""
+
+    def __init__(self):
+        self.pool = np.random.default_rng(0).random((64, 4096), dtype=np.float32)
+
+    def __len__(self):
+        return 1 << 24
+
+    def __getitem__(self, i):
+        return self.pool[i % 64].copy(), np.int64(i)
+
+
+def pad_collate(clips):
+    """Pad to the longest clip, as audio pipelines do: (padded batch, lengths)."""
+    out = np.zeros((len(clips), max(len(c) for c in clips)), np.float32)
+    for row, clip in enumerate(clips):
+        out[row, : len(clip)] = clip
+    return out, np.array([len(c) for c in clips], np.int64)
+
+
+def stack_collate(samples):
+    return np.stack(samples)
+
+
+WORKLOADS = {
+    "images-w2": (Images, dict(batch_size=64, num_workers=2)),
+    "images-w4": (Images, dict(batch_size=64, num_workers=4)),
+    "volumes-stack": (Volumes, dict(batch_size=8, num_workers=2, collate_fn=stack_collate)),
+    "volumes-default": (Volumes, dict(batch_size=8, num_workers=2)),
+    "clips-pad": (Clips, dict(batch_size=32, num_workers=2, collate_fn=pad_collate)),
+    "features": (Features, dict(batch_size=1024, num_workers=2)),
+}
+
+
+def consume(batch) -> float:
+    """Read every byte of the batch's main array."""
+    x = batch["image"] if isinstance(batch, dict) else batch[0] if isinstance(batch, (tuple, list)) else batch
+    if isinstance(x, np.ndarray):
+        return float(x.sum(dtype=np.float64))
+    return float(x.sum(dtype=torch.float64))
+
+
+def run_once(loader_class, dataset, kwargs) -> dict:
+    gc.collect()
+    with PeakMemory() as memory:
+        t0 = time.perf_counter()
+        loader = loader_class(dataset, **kwargs)
+        it = iter(loader)
+        consume(next(it))
+        first = time.perf_counter() - t0
+        for _ in range(4):
+            consume(next(it))
+        cpu0, start, n = time.process_time(), time.perf_counter(), 0
+        while time.perf_counter() - start < WINDOW_S or n < 10:
+            consume(next(it))
+            n += 1
+        per_batch = (time.perf_counter() - start) / n
+        cpu = (time.process_time() - cpu0) / n
+        del it, loader
+        gc.collect()
+    return {"ms": 1e3 * per_batch, "first_s": first, "peak_mb": memory.peak / 1e6, "cpu_ms": 1e3 * cpu}
+
+
+def _cell(values: list[float], digits: int = 1) -> str:
+    return f"{statistics.median(values):.{digits}f} [{min(values):.{digits}f}-{max(values):.{digits}f}]"
+
+
+def main(names: list[str]) -> None:
+    import warnings
+
+    warnings.filterwarnings("ignore", message="This DataLoader will create")
+    print(f"torch {torch.__version__}, {os.cpu_count()} CPUs; median [min-max] of {REPEATS} repeats")
+    for name in names or list(WORKLOADS):
+        make, kwargs = WORKLOADS[name]
+        dataset = make()
+        runs: dict[str, list[dict]] = {"torch": [], "shmloader": []}
+        for _ in range(REPEATS):
+            runs["torch"].append(run_once(DataLoader, dataset, kwargs))
+            runs["shmloader"].append(run_once(ShmDataLoader, dataset, kwargs))
+        t, s = runs["torch"], runs["shmloader"]
+        speed = [a["ms"] / b["ms"] for a, b in zip(t, s)]
+        memory = [b["peak_mb"] / a["peak_mb"] for a, b in zip(t, s)]
+        print(f"{name}:")
+        for what, key, digits in (("ms per batch", "ms", 2), ("first batch s", "first_s", 3),
+                                  ("peak memory MB", "peak_mb", 0), ("main CPU ms/batch", "cpu_ms", 2)):
+            print(f"  {what:<18} torch {_cell([r[key] for r in t], digits):>26}   "
+                  f"shmloader {_cell([r[key] for r in s], digits):>26}")
+        print(f"  torch / shmloader, time: {_cell(speed, 2)}x;  shmloader / torch, peak memory: "
+              f"{_cell(memory, 2)}x", flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
