@@ -47,20 +47,32 @@ class _Recorder:
 def test_segments_are_private_exclusive_unguessable_and_unlinked(monkeypatch):
     recorder = _Recorder()
     monkeypatch.setattr(segment_module._ring, "open_unlinked", recorder)
+    drawn = []
+    real_token_hex = segment_module.secrets.token_hex
+
+    def token_hex(nbytes):
+        drawn.append(real_token_hex(nbytes))
+        return drawn[-1]
+
+    monkeypatch.setattr(segment_module.secrets, "token_hex", token_hex)
     segments = []
-    for _ in range(32):
-        segment = create_segment(64 * 1024, 0)
-        segments.append(segment)
-        st = os.fstat(segment.fd)
-        assert stat.S_IMODE(st.st_mode) == 0o600
-        assert st.st_uid == os.geteuid()
-        assert not os.get_inheritable(segment.fd), "a subprocess the dataset starts must not inherit it"
-    assert len(recorder.names) == 32
-    assert len(set(recorder.names)) == 32
-    for name in recorder.names:
-        assert re.fullmatch(r"/dev/shm/shmloader-[0-9a-f]{32}", name), name  # 128 random bits
-        assert str(os.getpid()) not in name
-    del segments
+    try:
+        for _ in range(32):
+            segment = create_segment(64 * 1024, 0)
+            segments.append(segment)
+            st = os.fstat(segment.fd)
+            assert stat.S_IMODE(st.st_mode) == 0o600
+            assert st.st_uid == os.geteuid()
+            assert not os.get_inheritable(segment.fd), "a subprocess the dataset starts must not inherit it"
+        assert len(recorder.names) == 32
+        assert len(set(recorder.names)) == 32
+        # The whole name after the prefix is 128 bits from the CSPRNG: nothing in it comes from the
+        # pid, a counter or the clock (a pid may still turn up in random hex by chance).
+        assert recorder.names == [f"/dev/shm/shmloader-{token}" for token in drawn]
+        for name in recorder.names:
+            assert re.fullmatch(r"/dev/shm/shmloader-[0-9a-f]{32}", name), name
+    finally:
+        segments.clear()
 
 
 def test_a_symlink_planted_at_the_name_is_not_followed(monkeypatch, tmp_path):
