@@ -56,7 +56,7 @@ from .interrupts import ctrl_c_held
 from .pool import Poller, WorkerPool
 from .protocol import End, Failed, Fatal, NoRoom, Ready, Resume, Resumed, Rewind, State, Task
 from .ring import Ring, RingStats
-from .scheduler import SlotScheduler
+from .scheduler import ACROSS_EPOCHS_WAIT_MIN_SLOT_BYTES, WAIT_MIN_SLOT_BYTES, SlotScheduler
 from .timing import BatchClock, timing_enabled
 from .worker import COLLATE_CONVERT, COLLATE_CUSTOM, COLLATE_INTO_SLOT, Shipped, WorkerSpec
 
@@ -518,7 +518,8 @@ class _ShmLoaderIter(_PoolIter):
         self._pinner = pinner
         self._scheduler = SlotScheduler(
             self._num_workers, self._prefetch_factor, slot_bytes=loader.slot_bytes,
-            max_slots=loader.max_ring_slots, max_bytes=getattr(loader, "max_ring_bytes", None), pinner=pinner)
+            max_slots=loader.max_ring_slots, max_bytes=getattr(loader, "max_ring_bytes", None), pinner=pinner,
+            wait_min_slot_bytes=ACROSS_EPOCHS_WAIT_MIN_SLOT_BYTES if self._ahead_on else WAIT_MIN_SLOT_BYTES)
         context = loader.multiprocessing_context or torch.multiprocessing
         payload, mode = self._worker_payload(loader)
 

@@ -39,7 +39,7 @@ NOTE [ Slots the loop gives back ]
   give back instead of getting a new segment: `deferring(True)` around the grants made inside
   next() while the loop will not wait at its next call.  The worker loses nothing (the loop
   would not take its batch sooner), and the ring stays at what is in flight.  Only for large
-  slots (above AHEAD_MAX_SLOT_BYTES), where a slot is worth saving: a small one costs little, and
+  slots (above WAIT_MIN_SLOT_BYTES), where a slot is worth saving: a small one costs little, and
   the finished batch it lets a worker keep ready absorbs the loop's jitter.  The loop's next
   next() grants again; whenever the main process is about to wait for a batch, grants are made
   as usual (no deferral), so a worker never waits on a slot that the main process waits on.
@@ -60,6 +60,20 @@ NOTE [ Slots the loop gives back ]
   worker's batches come in order, so it has none queued).  Without this, a worker running ahead
   of the other by a few samples made a slot more than is in flight: 4 slots where 3 do, 256 MiB
   more for batches of 256 MiB.
+
+  Where "large" starts.  At 32 MiB (where the grant to go on with stops, AHEAD_MAX_SLOT_BYTES)
+  batches of 9-18 MiB kept a slot more than torch-shm keeps batches: 6 slots of 16 MiB for 2
+  workers where torch keeps 4-5 batches, a peak of 1.14x torch-shm's (transport, 16 MiB, the
+  touching consumer); dict images of 9.2 MiB with a loop slower than the workers, 1.03-1.04x
+  torch's.  From 8 MiB up: 0.65x and 0.94-0.97x, at a cost in speed at 16 MiB with a reading
+  consumer (loop and workers about even) of 10-15% (1.8-2.1 against 2.0-2.6 ms a batch, still
+  5.7x torch-shm): a worker that finishes during the hand-over fetches its next rows on the heap
+  and copies them once its grant comes.  Below 8 MiB a slot is under the noise of a Python
+  process's memory and speed comes first (1 MiB: NOTE [ Slot grants ]).  With
+  prefetch_next_epoch the threshold stays at ACROSS_EPOCHS_WAIT_MIN_SLOT_BYTES: workers made to
+  wait for each slot the loop gives back start the next epoch's batches late, and busy at the
+  epoch's end, where the loop's iter() runs (epochs workload, 18.3 MiB slots: the first wait of
+  epochs 2 and 3 went from 1.00-1.04x the steady wait to 2-3x).
 
 NOTE [ Batches that wait for their turn ]
   Granting in order keeps the earliest batch first, but not before the ring knows its slot size:
@@ -85,6 +99,10 @@ GRANTS_PER_WORKER = 2  # the slot being written + one to go on with (small slots
 # holds a whole slot idle meanwhile: worth it while that round trip is a sizeable part of a
 # batch's time, not for large slots (NOTE [ Slot grants ]).
 AHEAD_MAX_SLOT_BYTES = 32 << 20
+# NOTE [ Slots the loop gives back ]: slots above this are worth a worker's wait; with
+# prefetch_next_epoch only those above ACROSS_EPOCHS_WAIT_MIN_SLOT_BYTES.
+WAIT_MIN_SLOT_BYTES = 8 << 20
+ACROSS_EPOCHS_WAIT_MIN_SLOT_BYTES = AHEAD_MAX_SLOT_BYTES
 
 
 class _Deferral:
@@ -109,7 +127,8 @@ class SlotScheduler:
     are started `pinner` page-locks slots for pin_memory (cuda.SlotPinner) or is None."""
 
     def __init__(self, num_workers: int, prefetch_factor: int, send=None, *, slot_bytes=None,
-                 max_slots=None, max_bytes=None, pinner=None, depth=None):
+                 max_slots=None, max_bytes=None, pinner=None, depth=None,
+                 wait_min_slot_bytes: int = WAIT_MIN_SLOT_BYTES):
         if depth is None:  # NOTE [ Ring size ] in ring.py; sample_parallel.py asks for fewer
             depth = prefetch_factor * num_workers + CONSUMER_SLOTS
         self.ring = Ring(depth, slot_bytes, max_slots, max_bytes)
@@ -121,6 +140,7 @@ class SlotScheduler:
         self._known_generation: list[dict[int, int]] = [{} for _ in range(num_workers)]
         self._grants: list[set[int]] = [set() for _ in range(num_workers)]
         self._quota = min(GRANTS_PER_WORKER, prefetch_factor)
+        self._wait_min_slot_bytes = wait_min_slot_bytes  # NOTE [ Slots the loop gives back ]
         self._owed: dict[tuple[int, int], int] = {}  # (epoch, idx) -> worker, in send order
         self._defer_new_segments = False  # NOTE [ Slots the loop gives back ]
         self._deferral = _Deferral(self)
@@ -259,7 +279,7 @@ class SlotScheduler:
             ring.collect_released()
             if ring.has_free_created_slot():
                 return True
-        if self._defer_new_segments and ring.held() and (ring.slot_bytes or 0) > AHEAD_MAX_SLOT_BYTES:
+        if self._defer_new_segments and ring.held() and self.large_slots:
             return False  # the loop gives one back before it waits (NOTE [ Slots the loop ... ])
         return ring.can_take()  # a free slot whose segment may be made, or a held one to detach
 
@@ -280,7 +300,7 @@ class SlotScheduler:
     @property
     def large_slots(self) -> bool:
         """Whether a slot is worth a worker's wait (NOTE [ Slots the loop gives back ])."""
-        return (self.ring.slot_bytes or 0) > AHEAD_MAX_SLOT_BYTES
+        return (self.ring.slot_bytes or 0) > self._wait_min_slot_bytes
 
     def check_not_starved(self, spill=None) -> None:
         """Raise RingFullError (ShmCapacityError) if no worker with work can ever get a slot:

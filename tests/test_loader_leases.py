@@ -103,12 +103,14 @@ class _RowsOfOnes(torch.utils.data.Dataset):
         return self.rows[i % len(self.rows)]
 
 
-def test_a_loop_slower_than_its_workers_keeps_the_ring_at_what_is_in_flight():
-    """NOTE [ Slots the loop gives back ]: with large slots and a loop that reads every byte
-    (slower than 2 workers that copy), the ring holds the batches in flight and the one in the
-    loop's hand (prefetch_factor x num_workers + 1), not one more for the batch that the loop
-    still holds while next() hands it the next one."""
-    rows, row_bytes = 16, 9 << 18  # 36 MiB batches: above AHEAD_MAX_SLOT_BYTES
+@pytest.mark.parametrize("row_bytes", [9 << 18, 3 << 18], ids=["36MiB", "12MiB"])
+def test_a_loop_slower_than_its_workers_keeps_the_ring_at_what_is_in_flight(row_bytes):
+    """NOTE [ Slots the loop gives back ]: with large slots (above WAIT_MIN_SLOT_BYTES, also
+    below AHEAD_MAX_SLOT_BYTES) and a loop that reads every byte (slower than 2 workers that
+    copy), the ring holds the batches in flight and the one in the loop's hand (prefetch_factor
+    x num_workers + 1), not one more for the batch that the loop still holds while next() hands
+    it the next one."""
+    rows = 16
     shm = ShmDataLoader(_RowsOfOnes(40 * rows, rows, row_bytes), batch_size=rows,
                         num_workers=WORKERS, prefetch_factor=PREFETCH)
     slots = []
@@ -118,6 +120,27 @@ def test_a_loop_slower_than_its_workers_keeps_the_ring_at_what_is_in_flight():
         slots.append(shm.stats().reserved_bytes // shm.stats().slot_bytes)
     assert len(slots) == 40
     assert max(slots) <= WORKERS * PREFETCH + 1, slots
+
+
+def test_with_prefetch_next_epoch_only_slots_above_32_mib_wait_for_the_loop():
+    """NOTE [ Slots the loop gives back ]: workers that must start the next epoch's batches
+    before the epoch ends are not made to wait for the slots of 8-32 MiB batches."""
+    from shmloader.scheduler import (
+        ACROSS_EPOCHS_WAIT_MIN_SLOT_BYTES,
+        AHEAD_MAX_SLOT_BYTES,
+        WAIT_MIN_SLOT_BYTES,
+    )
+
+    assert WAIT_MIN_SLOT_BYTES < 3 << 22 < ACROSS_EPOCHS_WAIT_MIN_SLOT_BYTES == AHEAD_MAX_SLOT_BYTES
+    rows, row_bytes = 16, 3 << 18  # 12 MiB batches
+    dataset = _RowsOfOnes(4 * rows, rows, row_bytes)
+    for ahead, large in ((False, True), (True, False)):
+        shm = ShmDataLoader(dataset, batch_size=rows, num_workers=WORKERS, prefetch_factor=PREFETCH,
+                            persistent_workers=True, prefetch_next_epoch=ahead)
+        it = iter(shm)
+        next(it)
+        assert it._scheduler.large_slots is large
+        del it, shm
 
 
 class _SlowRows(_RowsOfOnes):

@@ -12,7 +12,12 @@ import pytest
 
 from shmloader import RingFullError, _ring, layout
 from shmloader.protocol import Forget, Grant, Ready
-from shmloader.scheduler import AHEAD_MAX_SLOT_BYTES, GRANTS_PER_WORKER, SlotScheduler
+from shmloader.scheduler import (
+    AHEAD_MAX_SLOT_BYTES,
+    GRANTS_PER_WORKER,
+    WAIT_MIN_SLOT_BYTES,
+    SlotScheduler,
+)
 from shmloader.segment import create_segment
 
 pytestmark = [pytest.mark.timeout(30)]
@@ -167,16 +172,13 @@ def test_a_grant_to_go_on_with_only_for_small_slots(nbytes, ahead):
 
 
 @pytest.mark.parametrize("large", [True, False])
-def test_while_deferring_a_grant_waits_for_the_slot_the_loop_holds(monkeypatch, large):
+def test_while_deferring_a_grant_waits_for_the_slot_the_loop_holds(large):
     """NOTE [ Slots the loop gives back ]: for large slots, no new segment while the loop holds
     one and will give it back before it waits; without deferral (the main process about to
     wait) one is made. Small slots are never deferred."""
-    from shmloader import scheduler as scheduler_module
-
-    if large:  # the test's slots are small: make every slot count as large
-        monkeypatch.setattr(scheduler_module, "AHEAD_MAX_SLOT_BYTES", 0)
     workers = Workers(1)
-    scheduler = scheduler_for(workers, prefetch_factor=1)
+    # the test's slots are small: with the threshold at 0 every slot counts as large
+    scheduler = scheduler_for(workers, prefetch_factor=1, wait_min_slot_bytes=0 if large else WAIT_MIN_SLOT_BYTES)
     try:
         if not large:
             scheduler.task_sent(0, 0, 0)
@@ -218,7 +220,7 @@ def test_a_worker_ahead_waits_for_the_slot_the_loop_gives_back(monkeypatch, ahea
 
     monkeypatch.setattr(scheduler_module, "AHEAD_MAX_SLOT_BYTES", 0)  # every slot counts as large
     workers = Workers(1)
-    scheduler = scheduler_for(workers, prefetch_factor=2)
+    scheduler = scheduler_for(workers, prefetch_factor=2, wait_min_slot_bytes=0)
     try:
         scheduler.task_sent(0, 0, 0)
         held = workers.write(scheduler, 0, workers.grants(0)[-1], 0, 0, 1.0)  # in the loop's hand
