@@ -53,7 +53,7 @@ NOTE [ Ring size ]
   on first use, and a slot is bound to a batch only once the batch exists (NOTE [ Slot grants ] in
   scheduler.py), so a loop that keeps up creates far fewer than `depth`, and one that falls
   behind no more than the batches in flight and the one in its hand (NOTE [ Slots the loop gives
-  back ] in scheduler.py, large slots).  Slot size is learnt from
+  back ] in scheduler.py, slots above WAIT_MIN_SLOT_BYTES).  Slot size is learnt from
   the first batch (page-rounded) unless `slot_bytes` is given; a larger batch grows only its slot.
 
 NOTE [ A ring fitted to /dev/shm ]
