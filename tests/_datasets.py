@@ -225,16 +225,20 @@ def failing_init(worker_id: int) -> None:
 
 
 class KillSelfDataset(Dataset):
-    """The worker that fetches sample `bad` kills itself with `sig`."""
+    """The worker that fetches sample `bad` kills itself with `sig`; given `after` (a path), only
+    once that file exists (the test makes it when the loop has what must come before the death)."""
 
-    def __init__(self, n: int = 64, bad: int = 9, sig: int = signal.SIGKILL):
-        self.n, self.bad, self.sig = n, bad, sig
+    def __init__(self, n: int = 64, bad: int = 9, sig: int = signal.SIGKILL, after: str | None = None):
+        self.n, self.bad, self.sig, self.after = n, bad, sig, after
 
     def __len__(self):
         return self.n
 
     def __getitem__(self, i):
         if i == self.bad:
+            deadline = time.monotonic() + 10
+            while self.after is not None and not os.path.exists(self.after) and time.monotonic() < deadline:
+                time.sleep(0.005)
             os.kill(os.getpid(), self.sig)
             time.sleep(10)
         return np.full(4, i, dtype=np.float32)

@@ -222,14 +222,18 @@ def test_killed_worker_raises_quickly_naming_worker_pid_and_signal(method):
     del it, loader, info
 
 
-def test_persistent_loader_starts_fresh_workers_after_a_death():
-    loader = ShmDataLoader(ds.KillSelfDataset(n=16, bad=5), batch_size=1, num_workers=2,
-                           persistent_workers=True)
+def test_persistent_loader_starts_fresh_workers_after_a_death(tmp_path):
+    has_batch_4 = tmp_path / "has-batch-4"  # worker 1 dies at sample 5 only once the loop has 0-4
+    loader = ShmDataLoader(ds.KillSelfDataset(n=16, bad=5, after=str(has_batch_4)), batch_size=1,
+                           num_workers=2, persistent_workers=True)
     for _ in range(2):
+        has_batch_4.unlink(missing_ok=True)
         delivered = []
         with pytest.raises(WorkerDiedError, match="worker 1"):
             for batch in loader:
                 delivered.append(int(batch[0, 0]))
+                if delivered[-1] == 4:
+                    has_batch_4.touch()
         assert delivered == [0, 1, 2, 3, 4]
     del loader, batch
 

@@ -109,7 +109,8 @@ def test_spare_maker_makes_what_is_wanted_and_closes_cleanly():
         assert maker.take(1 << 17) is None  # a ready one of another size is dropped, not handed
         maker.want(1, 1 << 17)
         assert _wait(lambda: maker.ready_count() == 1)
-        assert made == [1 << 16, 1 << 16, 1 << 17]
+        # (a third 1 << 16 may come in between: the thread can look again after the take)
+        assert made[:2] == [1 << 16, 1 << 16] and made[-1] == 1 << 17 and made.count(1 << 17) == 1, made
         del first
     finally:
         maker.close()
