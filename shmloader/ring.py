@@ -397,6 +397,14 @@ class Ring:
         return (len(ring) + len(held) + spares,
                 sum(s.size for s in ring) + sum(held) + spares * (self.slot_bytes or 0))
 
+    def _live_or_on_their_way(self) -> tuple[int, int]:
+        """_live() and the segments workers were granted slots to make (they may exist already):
+        what a user's cap counts, else a slot detached while first slots are being made is one
+        segment too many (4 alive under max_ring_slots=3)."""
+        count, nbytes = self._live()
+        uncreated = self._dispatched_uncreated()
+        return count + uncreated, nbytes + uncreated * (self.slot_bytes or 0)
+
     def _live_in_shm(self) -> tuple[int, int]:
         """_live() without the overflow slots (NOTE [ Overflow slots ])."""
         count, nbytes = self._live()
@@ -415,7 +423,7 @@ class Ring:
     def _within_users_cap(self) -> bool:
         if self.max_slots is None and self.max_bytes is None:
             return True
-        count, nbytes = self._live()
+        count, nbytes = self._live_or_on_their_way()
         if self.max_slots is not None and count >= self.max_slots:
             return False
         return self.max_bytes is None or nbytes + (self.slot_bytes or 0) <= self.max_bytes
@@ -494,7 +502,7 @@ class Ring:
             return
         if (self.max_slots is not None or self.max_bytes is not None or self._shm_room is not None
                 or self._shm_slots is not None):
-            live, nbytes = self._live()
+            live, nbytes = self._live_or_on_their_way()
             room = min(count, self._shm_room_left())
             if self.max_slots is not None:
                 room = min(room, self.max_slots - live)

@@ -163,6 +163,26 @@ def test_a_cap_in_slots_refuses_and_names_itself():
     ring.close()
 
 
+def test_a_cap_counts_the_segments_workers_are_making():
+    """Slots granted to workers that make their segment count against the cap from the grant:
+    at start-up (every worker makes its first slot) the loop's first batch was detached for a
+    fourth segment while the other two were being made (4 alive under max_ring_slots=3)."""
+    ring = Ring(4, max_slots=3)
+    first, second, third = (ring.take_free_slot() for _ in range(3))
+    _worker_writes(ring, first, 0)
+    lease = ring.lease(first, 0, ring.release_callback())[0]
+    assert not ring.can_take()  # second and third are on their way: 3 segments already
+    _worker_writes(ring, second, 1)
+    _worker_writes(ring, third, 2)
+    assert not ring.can_take()
+    del lease
+    assert ring.can_take() and ring.take_free_slot() == first
+    ring.unassign(first)
+    for slot, sequence in ((second, 1), (third, 2)):
+        ring.lease(slot, sequence, ring.release_callback())
+    ring.close()
+
+
 def test_a_cap_in_bytes_counts_held_segments():
     ring = Ring(2, slot_bytes=2 * PAGE, max_bytes=3 * 2 * PAGE)
     leases = _lease_all(ring, 2)
