@@ -144,7 +144,7 @@ def test_a_ring_that_does_not_fit_whole_is_fitted_to_the_room_and_gives_torchs_b
 def test_learnt_slot_size_of_which_two_slots_do_not_fit_runs_with_slots_outside_dev_shm(small_shm):
     # staggered: the free space seen here falls only once a segment is made, so two workers that
     # check it at the same moment would both find room, and the ring would run on 2 slots
-    loader = ShmDataLoader(Staggered(MiB), batch_size=5, num_workers=2, prefetch_factor=2,
+    loader = ShmDataLoader(Staggered(MiB, 5 * MiB, small_shm), batch_size=5, num_workers=2, prefetch_factor=2,
                            multiprocessing_context="fork")
     batches = iter(loader)
     with warnings.catch_warnings():
@@ -564,15 +564,26 @@ def test_a_ring_check_waits_for_the_spare_being_made(monkeypatch):
 
 
 class Staggered(Sized):
-    """Sized, worker k starting its first sample 0.1 s x k late."""
+    """Sized, worker k starting its first sample once the first slots of workers 0..k-1 are made:
+    once what is free in the (believed) `room` of /dev/shm has fallen by k batches of
+    `batch_bytes` (or after 10 s).  The free space seen falls only once a segment is made, so
+    workers that check it at the same moment would all find room; a fixed delay between them
+    is a race on a loaded machine."""
 
     started = False
+
+    def __init__(self, small: int, batch_bytes: int, room: int):
+        super().__init__(small)
+        self.batch_bytes, self.room = batch_bytes, room
 
     def __getitem__(self, i: int):
         info = torch.utils.data.get_worker_info()
         if info is not None and not Staggered.started:
             Staggered.started = True
-            time.sleep(0.1 * info.id)
+            deadline = time.monotonic() + 10
+            while (ring_module.shm_free_bytes() > self.room - info.id * self.batch_bytes
+                   and time.monotonic() < deadline):
+                time.sleep(0.005)
         return super().__getitem__(i)
 
 
@@ -638,8 +649,8 @@ def test_workers_whose_first_slots_do_not_all_fit_run_fitted(small_shm, collate)
     with a numpy collate): the same batches as torch, one warning, never more alive than the room
     (the same for real on a tmpfs: test_small_tmpfs_first_slots_that_do_not_all_fit_run_fitted).
     The free space seen here falls only once a segment is made, so workers that check it at the
-    same moment would all find room: they start 0.1 s apart."""
-    loader = ShmDataLoader(Staggered(MiB), **_small_batches(4, collate))
+    same moment would all find room: each starts once the ones before it made their slots."""
+    loader = ShmDataLoader(Staggered(MiB, 2 * MiB, small_shm), **_small_batches(4, collate))
     sums, most = [], 0
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", ShmCapacityWarning)

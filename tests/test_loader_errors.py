@@ -378,31 +378,42 @@ def test_a_worker_error_outside_a_task_comes_with_its_message():
 
 
 class SlowFirstSample(Dataset):
-    """Index 0 takes a second; each sample says which worker made it."""
+    """Index 0 waits until the loop has had index 9 (`release` exists); each sample says which
+    worker made it."""
+
+    def __init__(self, release: str):
+        self.release = release
 
     def __len__(self):
         return 10
 
     def __getitem__(self, i):
         if i == 0:
-            time.sleep(1.0)
+            deadline = time.monotonic() + 30
+            while not os.path.exists(self.release) and time.monotonic() < deadline:
+                time.sleep(0.005)
         return torch.tensor([i, get_worker_info().id])
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(90)
 @pytest.mark.parametrize("keep", [False, True])
-def test_out_of_order_schedules_tasks_as_torch_does(keep):
+def test_out_of_order_schedules_tasks_as_torch_does(keep, tmp_path):
     """in_order=False with a slow index 0: the same order, from the same workers, as torch's
     ([1, 3, 4, 5, 6, 7, 8, 9, 0, 2] from workers [1]*8 + [0]*2), whether the loop keeps its
-    batches or not."""
-    def run(cls):
-        loader = cls(SlowFirstSample(), batch_size=1, num_workers=2, prefetch_factor=2, in_order=False)
+    batches or not.  Index 0 ends only once the loop has index 9, so no timing decides it."""
+    def run(cls, release):
+        loader = cls(SlowFirstSample(str(release)), batch_size=1, num_workers=2, prefetch_factor=2,
+                     in_order=False)
         out = []
         for batch in loader:
             out.append(batch if keep else batch.clone())
+            if int(batch[0, 0]) == 9:
+                release.touch()
         return [(int(b[0, 0]), int(b[0, 1])) for b in out]
 
-    assert run(ShmDataLoader) == run(DataLoader)
+    want = [(i, 1) for i in (1, 3, 4, 5, 6, 7, 8, 9)] + [(0, 0), (2, 0)]
+    assert run(DataLoader, tmp_path / "torch") == want
+    assert run(ShmDataLoader, tmp_path / "shm") == want
 
 
 def test_generic_like_torchs_dataloader():
