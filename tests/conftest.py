@@ -41,6 +41,16 @@ SHM_PREFIX = "shmloader-"
 LEAK_WAIT_SECONDS = 10.0
 
 
+def pytest_configure(config):
+    """Forkserver children fork from a server that has imported torch, shmloader's worker and the
+    test faults already (what a user would do for speed; without it each forkserver case pays
+    torch's import).  Set for the whole session, before any test starts the server: set in one
+    module only, it held or not depending on which test ran first."""
+    import multiprocessing
+
+    multiprocessing.get_context("forkserver").set_forkserver_preload(["shmloader.worker", "tests._faulty"])
+
+
 def wait_until(predicate, timeout: float, interval: float = 0.05) -> bool:
     """Poll `predicate` until it is true or `timeout` seconds pass; returns its last value."""
     deadline = time.monotonic() + timeout

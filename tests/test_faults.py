@@ -11,7 +11,6 @@ The faults themselves live in tests/_faulty.py so spawn and forkserver workers c
 from __future__ import annotations
 
 import gc
-import multiprocessing
 import os
 import signal
 import subprocess
@@ -50,13 +49,6 @@ DEATH_WORDS = {
     "segfault": "killed by SIGSEGV (a segmentation fault",
     "sigkill": "killed by SIGKILL (likely the out-of-memory killer",
 }
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _preload_forkserver():
-    """Forkserver children fork from a server that has imported torch and these faults already
-    (what a user would do for speed); without it each case pays torch's import."""
-    multiprocessing.get_context("forkserver").set_forkserver_preload(["shmloader.worker", "tests._faulty"])
 
 
 def _markers(marker_dir: str, how: str) -> list[tuple[int, float]]:
