@@ -35,6 +35,21 @@ NOTE [ Held batches ]
   segment: so small leaves are delivered as copies that hold no slot (NOTE [ Small leaves are
   copies ] in layout.py), and a kept label tensor costs its bytes.
 
+NOTE [ Held batches of varying size ]
+  A slot is sized for the largest recent batch, so where batch sizes vary (dynamic padding) a
+  segment remade for a detached slot at the slot's size reserves and zero-fills the part its
+  batch leaves unused, then gives it back (MADV_REMOVE) at its own detach.  In a loop that
+  keeps every batch, each batch paid for a whole slot where torch's worker makes a segment of
+  the batch's size: 1.8x torch's time for 75 kept batches of 9-33 MiB padded by pad_sequence.
+  So while the recent batches fill on average less than FITTED_BELOW of a slot, a detached
+  slot's next segment is made by its writer at its batch's size (the grant's size hint is 0,
+  and no spare is put there); the slot grows as any slot does if a later batch needs more.
+  Batches of one size keep the slot's size and the spares made ahead, as does a `slot_bytes`
+  the user gave.  A custom collate_fn's batch goes to a slot sized by its samples' bytes, as a
+  worker's first batch does (NOTE [ One copy for a numpy collate_fn ] in worker.py), until a
+  batch outgrows that guess (padding): that worker then collates such batches on the heap and
+  copies them into a segment of their size, as torch copies a tensor batch into shared memory.
+
 NOTE [ Batches held across a fork of the user's ]
   A slot is MAP_SHARED memory: a process the user forks (os.fork, a fork-started
   multiprocessing child given a batch) maps the slots of the batches the loop holds, and copy-on-
@@ -127,6 +142,7 @@ RECENT_MIN = 4
 SHRINK_ABOVE = 2
 SPARES_MADE_WAIT_SECONDS = 2.0  # _check_fits: at most this for spares being made
 MIN_FITTED_SLOTS = 2  # NOTE [ A ring fitted to /dev/shm ]: the least room a ring runs in without overflow
+FITTED_BELOW = 0.8  # NOTE [ Held batches of varying size ]: the mean fill of a slot that sizes its batches
 
 # The main process's view of a slot (the header's state word has WRITING/READY in between).
 _FREE, _DISPATCHED, _LEASED = "free", "granted", "leased"
@@ -217,6 +233,9 @@ class Ring:
         self._held_segments: weakref.WeakKeyDictionary[_ring.Segment, int] = weakref.WeakKeyDictionary()
         self._retired: list[tuple[int, int]] = []  # (slot, generation) no process should map now
         self._detached = 0
+        self._fitted: set[int] = set()  # slots remade at their batch's size (NOTE [ Held batches of varying size ])
+        self._leases = 0  # batches leased so far
+        self._detached_at = None  # self._leases at the latest detach, None before any
         self._slot_grows = 0
         self._shrunk = 0
         self._made_ahead = 0
@@ -455,27 +474,31 @@ class Ring:
         self.collect_released()
         return any(self._segments[slot] is not None for slot in self._free)
 
-    def take_free_slot(self, prefer: dict[int, int] | None = None, created_only: bool = False) -> int:
+    def take_free_slot(self, prefer: dict[int, int] | None = None, created_only: bool = False,
+                       fitted_only: bool = False) -> int:
         """A free slot to grant: detaching the longest-held leased one if none is free
         (NOTE [ Held batches ]).
 
         Prefers a slot the receiving worker has mapped already (`prefer`: slot -> generation it
         knows), then any created one (mapping a segment costs far less than creating one), then
         one to be created, with a spare segment installed in it if one is ready
-        (NOTE [ Spare segments ] in spares.py); `created_only` never picks a slot without one."""
+        (NOTE [ Spare segments ] in spares.py); `created_only` never picks a slot without one,
+        `fitted_only` only one its writer makes at its batch's size (can_grant_fitted)."""
         self.collect_released()
         prefer = prefer or {}
         created = [s for s in reversed(self._free) if self._segments[s] is not None]  # last freed first: cache-warm
+        if fitted_only:
+            created = []
         known = [s for s in created if prefer.get(s) == self._generations[s]]
         order = known + created
         if not order and not created_only and (self._spares.ready_count() > 0 or self._may_add_segment()):
             if not self._free and self._leased:
                 self._detach(next(iter(self._leased)))
-            order = list(self._free)
+            order = sorted(self._free, key=lambda s: s not in self._fitted)  # those needing no spare first
         if not order:
             raise RingFullError(self._full_message())
         chosen = order[0]
-        if self._segments[chosen] is None and self.slot_bytes:
+        if self._segments[chosen] is None and self.slot_bytes and chosen not in self._fitted:
             spare = self._spares.take(self.slot_bytes)
             if spare is not None:
                 spare.init_header(self._generations[chosen])
@@ -492,6 +515,8 @@ class Ring:
             return False
         if self.has_free_created_slot() or self._spares.ready_count():
             return False  # a slot to grant now (take_free_slot installs a ready spare)
+        if any(slot in self._fitted for slot in self._free) or (not self._free and self._sizes_vary()):
+            return False  # its writer makes it at its batch's size (NOTE [ Held batches of varying size ])
         # one on its way counts already against a user's cap
         return bool(self._free or self._leased) and (self._spares.pending() > 0 or self._may_add_segment())
 
@@ -532,6 +557,33 @@ class Ring:
         self._states[slot] = _FREE
         self._free.append(slot)
         self._detached += 1
+        self._detached_at = self._leases
+        if self._sizes_vary():
+            self._fitted.add(slot)
+
+    def can_grant_fitted(self) -> bool:
+        """Whether a slot can be granted that its writer makes at its batch's size (NOTE [ Held
+        batches of varying size ]): a free one, or the longest-held batch's, detached now.  Such a
+        grant costs no memory before the batch exists, so a worker may hold one to go on with."""
+        self.collect_released()
+        if not self._may_add_segment():
+            return False
+        if any(slot in self._fitted for slot in self._free):
+            return True
+        return not self._free and bool(self._leased) and self.keeps_batches() and self._sizes_vary()
+
+    def keeps_batches(self) -> bool:
+        """Whether the training loop keeps batches (a slot was detached within the last ring's
+        depth of batches): then a slot it holds is not given back at its next call
+        (NOTE [ Slots the loop gives back ] in scheduler.py)."""
+        return self._detached_at is not None and self._leases - self._detached_at <= self.depth
+
+    def _sizes_vary(self) -> bool:
+        """Whether the recent batches fill on average less than FITTED_BELOW of a slot, whose
+        size the user did not give (NOTE [ Held batches of varying size ])."""
+        recent = self._recent_ends
+        return (bool(recent) and bool(self.slot_bytes) and not self._given_bytes
+                and sum(recent) < FITTED_BELOW * self.slot_bytes * len(recent))
 
     def take_retired(self) -> list[tuple[int, int]]:
         """(slot, generation) pairs that workers still mapping them must forget, once each."""
@@ -588,7 +640,9 @@ class Ring:
         """(generation, capacity, size hint) of a slot as a worker must see it; capacity 0: not
         created yet, and the worker creates it at max(hint, what its batch needs)."""
         segment = self._segments[slot]
-        return self._generations[slot], (segment.size if segment is not None else 0), self.slot_bytes or 0
+        if segment is None:  # its writer makes it: at its batch's size where fitted
+            return self._generations[slot], 0, 0 if slot in self._fitted else self.slot_bytes or 0
+        return self._generations[slot], segment.size, self.slot_bytes or 0
 
     def fd(self, slot: int) -> int:
         segment = self._segments[slot]
@@ -609,6 +663,7 @@ class Ring:
         # Not populated: the training loop may read little of a slot (page tables for what it
         # touches are set up once, and stay while the slot is reused).
         segment = _ring.Segment(fd, capacity, populate=False)
+        self._fitted.discard(slot)
         old = self._segments[slot]
         self._segments[slot] = segment
         if shm_segment.outside_shm(fd):  # a worker's, where /dev/shm had no room for it
@@ -659,6 +714,7 @@ class Ring:
         self._states[slot] = _LEASED
         self._leased[slot] = None
         self._leased_ends[slot] = payload_end
+        self._leases += 1
         self._follow(payload_end)
         descriptor = segment.read(desc_offset, desc_bytes)
         return _ring.SlotLease(segment, slot, generation, sequence, on_release), descriptor, payload_end

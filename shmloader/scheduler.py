@@ -43,6 +43,12 @@ NOTE [ Slots the loop gives back ]
   the finished batch it lets a worker keep ready absorbs the loop's jitter.  The loop's next
   next() grants again; whenever the main process is about to wait for a batch, grants are made
   as usual (no deferral), so a worker never waits on a slot that the main process waits on.
+  A loop that keeps its batches (`list(loader)`: a slot was detached within the last ring's
+  depth of batches, `Ring.keeps_batches`) gives none back: then nothing is deferred and no
+  worker is patient.  Where such batches vary in size, a worker may hold a grant to go on with
+  whose segment it makes at its next batch's size (NOTE [ Held batches of varying size ] in
+  ring.py): it costs nothing before that batch exists, and spares the worker a round trip to a
+  main process that is busy with its step.
 
   The grants made while next() hands a batch over are deferred whether or not the loop will
   wait next: until the loop's next call, it still holds its previous batch (`for b in loader`
@@ -226,23 +232,26 @@ class SlotScheduler:
             if owed[worker_id] > self._quota or len(self._grants[worker_id]) >= owed[worker_id]:
                 continue
             ahead = owed[worker_id] > 1  # a grant to go on with: never worth a new segment
+            fitted = False
             if ahead:
-                if not ring.has_free_created_slot() or (ring.slot_bytes or 0) > AHEAD_MAX_SLOT_BYTES:
+                fitted = ring.can_grant_fitted()  # NOTE [ Held batches of varying size ] in ring.py
+                if not fitted and (not ring.has_free_created_slot() or (ring.slot_bytes or 0) > AHEAD_MAX_SLOT_BYTES):
                     continue
-            elif worker_id in self._patient and self.large_slots and not ring.has_free_created_slot():
+            elif worker_id in self._patient and self._worth_waiting() and not ring.has_free_created_slot():
                 continue  # it waits for a slot the loop gives back (NOTE [ Slots the loop gives back ])
             elif not self._slot_available():
                 break
             elif ring.should_wait_for_spare():  # NOTE [ Spare segments ] in spares.py
                 waiting_for_spares += 1
                 continue
-            self._grant(worker_id, created_only=ahead)
+            self._grant(worker_id, created_only=ahead and not fitted, fitted_only=fitted)
         ring.want_spares(waiting_for_spares)
         self._forget_retired()
 
-    def _grant(self, worker_id: int, created_only: bool = False) -> None:
+    def _grant(self, worker_id: int, created_only: bool = False, fitted_only: bool = False) -> None:
         ring = self.ring
-        slot = ring.take_free_slot(prefer=self._known_generation[worker_id], created_only=created_only)
+        slot = ring.take_free_slot(prefer=self._known_generation[worker_id], created_only=created_only,
+                                   fitted_only=fitted_only)
         generation, capacity, hint = ring.task_geometry(slot)
         if capacity:
             self.pin(ring.segment(slot))  # a segment made ahead (spares.py): once each
@@ -279,7 +288,7 @@ class SlotScheduler:
             ring.collect_released()
             if ring.has_free_created_slot():
                 return True
-        if self._defer_new_segments and ring.held() and self.large_slots:
+        if self._defer_new_segments and ring.held() and self._worth_waiting():
             return False  # the loop gives one back before it waits (NOTE [ Slots the loop ... ])
         return ring.can_take()  # a free slot whose segment may be made, or a held one to detach
 
@@ -296,6 +305,11 @@ class SlotScheduler:
             self.grant_in_order()
         finally:
             self._patient = frozenset()
+
+    def _worth_waiting(self) -> bool:
+        """Whether a worker should wait for the slot the loop gives back rather than get a new
+        one: large slots, and a loop that gives them back (not one that keeps its batches)."""
+        return self.large_slots and not self.ring.keeps_batches()
 
     @property
     def large_slots(self) -> bool:

@@ -103,7 +103,10 @@ COLLATE_CUSTOM = "custom"  # the user's collate_fn, output copied once (or born 
 #   first batch is born in its slot too rather than on the heap and copied.  Only from
 #   GUESS_MIN_BYTES up (below, that copy costs little), and a batch that turns out more than
 #   GUESS_MAX_WASTE times smaller than the guess goes to a slot of its own size instead: the ring
-#   learns its slot size from the first slot, which must not be the guess's mistake.
+#   learns its slot size from the first slot, which must not be the guess's mistake.  The same
+#   guess sizes a slot the ring leaves to its batch's size (NOTE [ Held batches of varying size ]
+#   in ring.py), until a batch turns out larger than its guess (a padding collate_fn): that
+#   worker guesses no more, and collates on the heap for such slots.
 #   SlotTensorMode costs a worker microseconds a batch, and every torch call inside the collate_fn
 #   goes through it: a worker whose collate_fn made no torch.stack / torch.cat call in its first
 #   TENSOR_MODE_LEARN_BATCHES batches with an arena (a numpy collate_fn) runs it without the mode
@@ -338,6 +341,7 @@ class _Worker:
         self.samples_in_arena = SamplesInArena(iterable, records_slot_guess)  # a collate_fn that passes samples through
         self.arena_on = os.environ.get("SHMLOADER_SLOT_ARENA", "1") != "0"
         self.tensor_mode_unused = 0  # batches in a row whose collate_fn built no tensor under the mode
+        self.guess_fits = True  # no guessed slot has been too small for its batch yet (NOTE above)
 
     def _enter(self, stage: int, idx: int = -1) -> str:
         """Record the stage in this worker's status word (and time the one it leaves: NOTE
@@ -565,7 +569,7 @@ class _Worker:
                 if grant is None:
                     stage = self._enter(AWAITING_SLOT, idx)
                     grant = self._next_grant(idx)
-                    guess = first_slot_guess(samples) if not (grant[2] or grant[3]) else 0
+                    guess = first_slot_guess(samples) if not (grant[2] or grant[3]) and self.guess_fits else 0
                     try:
                         arena, fresh = self.slot_arena(grant, guess)
                     except NoRoomForSlot:  # handed back: collated on the heap, a slot found later
@@ -614,6 +618,8 @@ class _Worker:
                 # from the slot's start instead, what lies in the slot copied out first.
                 plan, sources_in_slot = layout.plan_batch(batch), True
             if segment is None or plan.total_bytes > segment.size:
+                if guessed:  # the collate_fn makes more than its samples' bytes (padding)
+                    self.guess_fits = False
                 sources_in_slot = False  # a new segment: no source lies in it
                 if in_arena:  # a new segment gets every byte: nothing is in place there
                     plan = layout.plan_batch(batch)

@@ -414,3 +414,63 @@ def test_a_ctrl_c_while_a_segment_is_made_leaves_no_entry_and_no_fd(where, monke
     gc.collect()
     assert not [name for name in os.listdir("/dev/shm") if name.startswith("shmloader-")]
     assert set(os.listdir("/proc/self/fd")) <= before
+
+
+# -- NOTE [ Held batches of varying size ] ----------------------------------------------------------
+
+
+def _held_batch_of(ring: Ring, sequence: int, end: int):
+    """A worker's batch ending at `end`, written as a worker does (a slot without a segment made
+    at max(hint, end): the size hint the ring gives) and leased: the loop keeps it."""
+    slot = ring.take_free_slot()
+    generation, capacity, hint = ring.task_geometry(slot)
+    if capacity < end:
+        segment = create_segment(max(hint, end), generation + 1)
+        ring.adopt(slot, os.dup(segment.fd), segment.size, generation + 1)
+        segment.close_fd()
+    segment = ring.segment(slot)
+    assert segment.claim(1, sequence) == _ring.FREE
+    segment.write(_ring.HEADER_BYTES, b"d")
+    segment.publish(1, end)
+    return ring.lease(slot, sequence, ring.release_callback())[0]
+
+
+def test_kept_batches_of_varying_size_get_segments_of_their_own_size():
+    """A loop that keeps every batch of dynamic padding: once slots are detached, their next
+    segments are left to the batch's size (hint 0, no spare), not the largest batch's."""
+    ring = Ring(2)
+    ends = [(4 + (k * 7) % 13) * 16 * PAGE for k in range(12)]  # 64..256 pages, in no order
+    kept = [_held_batch_of(ring, sequence, end) for sequence, end in enumerate(ends)]
+    assert ring.stats().detached == len(ends) - 2
+    assert ring.keeps_batches()
+    sizes = [lease.segment.size for lease in kept]
+    # the first ones take the learnt size; from the detached slots on, each its batch's size
+    assert sizes[4:] == [page_round(end) for end in ends[4:]], (sizes, ends)
+    slot = ring.take_free_slot(fitted_only=True)  # a grant to go on with, at no cost before use
+    assert ring.task_geometry(slot)[1:] == (0, 0)
+    ring.unassign(slot)
+    del kept
+    ring.close()
+
+
+def test_kept_batches_of_one_size_keep_the_slot_size_and_the_spares():
+    ring = Ring(2)
+    kept = [_held_batch_of(ring, sequence, 64 * PAGE) for sequence in range(6)]
+    assert not ring.can_grant_fitted() and ring.should_wait_for_spare()
+    assert ring.task_geometry(ring.take_free_slot())[2] == ring.slot_bytes
+    del kept
+    ring.close()
+
+
+def test_a_loop_that_gives_its_batches_back_is_not_keeping_them():
+    ring = Ring(2)
+    for sequence in range(3):
+        _batch_of(ring, sequence, 64 * PAGE)
+    assert not ring.keeps_batches()
+    kept = [_held_batch_of(ring, sequence, 64 * PAGE) for sequence in range(3, 6)]
+    assert ring.keeps_batches()
+    del kept
+    for sequence in range(6, 6 + ring.depth + 1):
+        _batch_of(ring, sequence, 64 * PAGE)
+    assert not ring.keeps_batches()  # a ring's depth of batches given back since the last detach
+    ring.close()
