@@ -134,7 +134,7 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--batches", type=int, default=400, help="timed batches of the cycles workload")
     ap.add_argument("--hold", type=int, default=200, help="batches in the held epoch")
-    ap.add_argument("--padded", type=int, default=60, help="batches in the padded epoch (0: none)")
+    ap.add_argument("--padded", type=int, default=100, help="batches in the padded epoch (0: none)")
     ap.add_argument("--out", default=os.path.join(HERE, "results", "held.json"))
     args = ap.parse_args(argv)
     peers = {"torch": DataLoader, "shmloader": ShmDataLoader}
