@@ -677,3 +677,18 @@ def test_the_user_workloads_tool_runs_both_loaders_and_prints_their_ratios(monke
     assert "features:" in out and "clips-pad:" in out
     assert out.count("torch / shmloader, time:") == 2
     assert "peak memory MB" in out
+
+
+@pytest.mark.timeout(180)
+def test_the_held_batches_bench_runs_every_workload_for_both_loaders(tmp_path, capsys):
+    from bench import held
+
+    out = tmp_path / "held.json"
+    assert held.main(["--repeats", "1", "--batches", "10", "--hold", "10", "--padded", "3", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert printed.count("padded batches (") == 2 and "numpy pad" in printed and "pad_sequence" in printed
+    runs = json.loads(out.read_text())["runs"]
+    for peer in ("torch", "shmloader"):
+        for collate in held.PADDED_COLLATES:
+            assert runs[f"{peer} {collate} held"] == runs[f"torch {collate} held"]  # the same batches
+            assert runs[f"{peer} {collate} s"][0] > 0
