@@ -496,6 +496,10 @@ class Ring:
                 self._detach(next(iter(self._leased)))
             order = sorted(self._free, key=lambda s: s not in self._fitted)  # those needing no spare first
         if not order:
+            if self._within_users_cap():  # /dev/shm's room is what is missing, not a cap
+                raise ShmCapacityError((self.slot_bytes or 0), shm_segment.shm_free_bytes(), shm_segment.SHM_DIR,
+                                       f"one more ring slot, while the training loop holds "
+                                       f"{self.held() + len(self._held_segments)} batches")
             raise RingFullError(self._full_message())
         chosen = order[0]
         if self._segments[chosen] is None and self.slot_bytes and chosen not in self._fitted:

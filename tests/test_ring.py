@@ -474,3 +474,15 @@ def test_a_loop_that_gives_its_batches_back_is_not_keeping_them():
         _batch_of(ring, sequence, 64 * PAGE)
     assert not ring.keeps_batches()  # a ring's depth of batches given back since the last detach
     ring.close()
+
+
+def test_a_ring_out_of_room_without_a_cap_says_dev_shm_not_a_cap():
+    """Where no slot can be taken and the user set no cap, what is missing is /dev/shm's room:
+    a ShmCapacityError that says so, never a RingFullError naming a cap nobody set."""
+    ring = Ring(2, slot_bytes=64 * PAGE)
+    kept = _lease_all(ring, 2)
+    ring._shm_room = ring._shm_bytes()  # fitted to exactly what its segments hold
+    with pytest.raises(ShmCapacityError, match="training loop holds 2 batches"):
+        ring.take_free_slot()
+    del kept
+    ring.close()
