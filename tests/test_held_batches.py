@@ -15,12 +15,12 @@ import os
 import subprocess
 import sys
 
-import numpy as np
 import pytest
 import torch
 from torch.utils.data import DataLoader
 
 import shmloader.ring
+from bench import held as held_bench
 from shmloader import RingFullError, ShmDataLoader
 
 from . import _datasets as ds
@@ -335,18 +335,7 @@ class _PaddedSequences(torch.utils.data.Dataset):
         return torch.full((self.lengths[i], 64), float(i))
 
 
-def _pad_tensors(samples):
-    return torch.nn.utils.rnn.pad_sequence(samples, batch_first=True)
-
-
-def _pad_numpy(samples):
-    out = np.zeros((len(samples), max(len(s) for s in samples), 64), np.float32)
-    for k, sample in enumerate(samples):
-        out[k, :len(sample)] = sample.numpy()
-    return out
-
-
-@pytest.mark.parametrize("collate_fn", [_pad_tensors, _pad_numpy], ids=["pad_sequence", "numpy"])
+@pytest.mark.parametrize("collate_fn", [held_bench.pad_tensors, held_bench.pad_numpy], ids=["pad_sequence", "numpy"])
 def test_every_batch_of_dynamic_padding_kept_makes_segments_of_its_own_size(collate_fn):
     """NOTE [ Held batches of varying size ] in ring.py: a loop that keeps every padded batch
     gets torch's batches, and the segments made for them once slots are detached are the

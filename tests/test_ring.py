@@ -309,19 +309,9 @@ def test_a_refused_slot_leaves_no_trace():
 
 
 def _batch_of(ring: Ring, sequence: int, end: int):
-    """A worker's batch whose payload ends at `end` (the slot grown to hold it if need be),
-    leased and released at once: the ring learns its size."""
-    slot = ring.take_free_slot()
-    generation, capacity, hint = ring.task_geometry(slot)
-    if capacity < end:
-        segment = create_segment(max(hint, end) if capacity == 0 else 2 * end, generation + 1)
-        ring.adopt(slot, os.dup(segment.fd), segment.size, generation + 1)
-        segment.close_fd()
-    segment = ring.segment(slot)
-    assert segment.claim(1, sequence) == _ring.FREE
-    segment.write(_ring.HEADER_BYTES, b"d")
-    segment.publish(1, end)
-    lease = ring.lease(slot, sequence, ring.release_callback())[0]
+    """A worker's batch whose payload ends at `end`, leased and released at once: the ring
+    learns its size."""
+    lease = _held_batch_of(ring, sequence, end)
     del lease
     ring.collect_released()
 
@@ -420,12 +410,13 @@ def test_a_ctrl_c_while_a_segment_is_made_leaves_no_entry_and_no_fd(where, monke
 
 
 def _held_batch_of(ring: Ring, sequence: int, end: int):
-    """A worker's batch ending at `end`, written as a worker does (a slot without a segment made
-    at max(hint, end): the size hint the ring gives) and leased: the loop keeps it."""
+    """A worker's batch whose payload ends at `end`, written as a worker does (a slot without a
+    segment made at max(hint, end), the size hint the ring gives; one too small grown), and
+    leased: the loop keeps it."""
     slot = ring.take_free_slot()
     generation, capacity, hint = ring.task_geometry(slot)
     if capacity < end:
-        segment = create_segment(max(hint, end), generation + 1)
+        segment = create_segment(max(hint, end) if capacity == 0 else 2 * end, generation + 1)
         ring.adopt(slot, os.dup(segment.fd), segment.size, generation + 1)
         segment.close_fd()
     segment = ring.segment(slot)
