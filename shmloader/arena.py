@@ -11,7 +11,11 @@ come from torch's own allocator, which cannot be redirected; two things bring th
 * `SlotTensorMode`, active around the collate_fn: ``torch.stack`` / ``torch.cat`` called without
   ``out=`` on plain CPU tensors get an `empty_tensor` as their ``out=``, when torch's own result
   would be contiguous and nothing needs autograd, so the result is the same tensor, bytes, dtype
-  and strides, born in the slot.  Anything else runs untouched.
+  and strides, born in the slot.  ``torch.nn.utils.rnn.pad_sequence`` (dynamic padding, the
+  usual collate_fn of sequences), which has no ``out=``, is made the way torch makes it (a
+  tensor of the first sequence's dtype, each sequence copied into its place, the padding value
+  everywhere else) into an `empty_tensor`, for sequences of one dtype and trailing shape.
+  Anything else runs untouched.
 """
 
 from __future__ import annotations
@@ -24,6 +28,8 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 _BUILDERS = frozenset({torch.stack, torch.cat, torch.concat, torch.concatenate})
+_PAD_SEQUENCE = torch._C._nn.pad_sequence  # what torch.nn.utils.rnn.pad_sequence calls
+_PAD_ARGUMENTS = ("sequences", "batch_first", "padding_value", "padding_side")
 
 
 def empty_tensor(shape, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -58,7 +64,49 @@ class SlotTensorMode(TorchFunctionMode):
             out = self._output_for(func, args, kwargs)
             if out is not None:
                 return func(*args, **kwargs, out=out)
+        elif func is _PAD_SEQUENCE:
+            self.builder_calls += 1
+            padded = self._pad_sequence(args, kwargs)
+            if padded is not None:
+                return padded
         return func(*args, **kwargs)
+
+    def _pad_sequence(self, args, kwargs) -> torch.Tensor | None:
+        """torch's pad_sequence, born in the slot; None where torch should make it (several
+        dtypes or trailing shapes, autograd, too few bytes, arguments it does not know)."""
+        if len(args) > len(_PAD_ARGUMENTS) or set(kwargs) - set(_PAD_ARGUMENTS[len(args):]):
+            return None
+        given = dict(zip(_PAD_ARGUMENTS, args), **kwargs)
+        sequences = given.get("sequences")
+        batch_first = given.get("batch_first", False)
+        padding_value = given.get("padding_value", 0.0)
+        side = given.get("padding_side", "right")
+        if (not isinstance(sequences, (list, tuple)) or not sequences or not _plain_cpu(sequences)
+                or type(batch_first) is not bool or side not in ("right", "left")
+                or type(padding_value) not in (float, int, bool)):
+            return None
+        first = sequences[0]
+        if first.dim() == 0 or any(s.dim() != first.dim() or s.shape[1:] != first.shape[1:]
+                                   or s.dtype != first.dtype for s in sequences):
+            return None
+        if torch.is_grad_enabled() and any(s.requires_grad for s in sequences):
+            return None
+        longest = max(len(s) for s in sequences)
+        shape = (len(sequences), longest) if batch_first else (longest, len(sequences))
+        shape += tuple(first.shape[1:])
+        if math.prod(shape) * first.element_size() < self.min_bytes:
+            return None
+        padding_value = float(padding_value)  # a double, as torch's pad_sequence takes it
+        torch.full((1,), padding_value, dtype=first.dtype)  # its error where the dtype cannot hold that
+        out = empty_tensor(shape, first.dtype)
+        rows = out if batch_first else out.transpose(0, 1)  # (sequence, time, ...) either way
+        for k, sequence in enumerate(sequences):
+            length = len(sequence)
+            start = longest - length if side == "left" else 0
+            rows[k, start:start + length].copy_(sequence)
+            rows[k, :start].fill_(padding_value)
+            rows[k, start + length:].fill_(padding_value)
+        return out
 
     def _output_for(self, func, args, kwargs) -> torch.Tensor | None:
         tensors = args[0] if args else kwargs.get("tensors")

@@ -89,8 +89,8 @@ COLLATE_CUSTOM = "custom"  # the user's collate_fn, output copied once (or born 
 #   yet gets one first, at the ring's learnt size), so np.stack / np.concatenate / np.empty-then-fill build the
 #   batch's arrays in the slot itself; the layout describes such leaves where they are instead
 #   of copying them.  torch.stack / torch.cat (and torch's default_collate called inside a
-#   collate_fn) get an out= tensor over such a block (arena.py), and `shmloader.empty_tensor`
-#   is the explicit form.  Smaller allocations, other torch tensors and everything made outside
+#   collate_fn) get an out= tensor over such a block (arena.py), pad_sequence is made in one, and
+#   `shmloader.empty_tensor` is the explicit form.  Smaller allocations, other torch tensors and everything made outside
 #   the call come from the heap and are copied once, as before.  If the collate_fn keeps an array born in
 #   the slot (a cache) past the batch, the slot is left to it and the batch is moved to a fresh
 #   segment (`_move_batch`), so a kept array never shares bytes with a slot written again.
@@ -108,7 +108,7 @@ COLLATE_CUSTOM = "custom"  # the user's collate_fn, output copied once (or born 
 #   in ring.py), until a batch turns out larger than its guess (a padding collate_fn): that
 #   worker guesses no more, and collates on the heap for such slots.
 #   SlotTensorMode costs a worker microseconds a batch, and every torch call inside the collate_fn
-#   goes through it: a worker whose collate_fn made no torch.stack / torch.cat call in its first
+#   goes through it: a worker whose collate_fn made no torch.stack / torch.cat / pad_sequence call in its first
 #   TENSOR_MODE_LEARN_BATCHES batches with an arena (a numpy collate_fn) runs it without the mode
 #   from then on.  A later torch.stack there is then copied once, as any heap tensor is.
 ARENA_MIN_BYTES = 16 * 1024

@@ -193,3 +193,94 @@ def test_empty_tensor_outside_a_worker_is_a_plain_tensor():
     t.fill_(1.5)
     assert float(t.sum()) == 22.5
     assert np.shares_memory(t.view(torch.uint8).numpy(), t.view(torch.uint8).numpy())
+
+
+# -- dynamic padding: torch.nn.utils.rnn.pad_sequence ------------------------------------------
+
+
+class Sequences(Dataset):
+    """Sequences of 32 float32 features, 100-700 rows long (a batch of 4: 50-350 KiB padded)."""
+
+    def __len__(self):
+        return 160
+
+    def __getitem__(self, i):
+        length = 100 + (i * 337) % 600
+        return torch.arange(length * 32, dtype=torch.float32).view(length, 32) + i
+
+
+def pad_right(samples):
+    return torch.nn.utils.rnn.pad_sequence(samples, batch_first=True, padding_value=-1.0)
+
+
+def pad_time_first_left(samples):
+    return {"x": torch.nn.utils.rnn.pad_sequence(samples, padding_side="left"),
+            "lengths": torch.tensor([len(s) for s in samples])}
+
+
+@pytest.mark.parametrize("collate_fn", [pad_right, pad_time_first_left])
+def test_pad_sequence_batches_are_built_in_the_slot(collate_fn):
+    """The usual collate_fn of sequences: torch's batches, and (but the first ones, made while
+    the slot size is learnt) born in the slot, not made on the worker's heap and copied."""
+    shm, ref, stats = _both(Sequences(), collate_fn)
+    assert_same_batches(shm, ref)
+    padded = sum((b if isinstance(b, torch.Tensor) else b["x"]).nbytes for b in shm)
+    assert stats.in_place_bytes >= 0.7 * padded, (stats, padded)
+
+
+PAD_VALUES = [0.0, 2.7, -1, True, float("nan"), float("inf"), 300, 1e300, 2**60 + 1]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.complex64,
+                                   torch.int64, torch.int8, torch.uint8, torch.bool])
+def test_pad_sequence_in_the_mode_is_torchs_bit_for_bit_and_raises_torchs_errors(dtype):
+    """Every side, layout and padding value, lengths with an empty sequence or none shorter:
+    the same dtype, shape, strides and bytes as torch's pad_sequence, or the same error (a
+    padding value the dtype cannot hold)."""
+    pad = torch.nn.utils.rnn.pad_sequence
+
+    def raw(t: torch.Tensor) -> bytes:
+        return t.contiguous().view(-1).view(torch.uint8).numpy().tobytes() if t.dtype != torch.bool else t.numpy().tobytes()
+
+    def outcome(mode, sequences, **kwargs):
+        try:
+            if mode is None:
+                return pad(sequences, **kwargs)
+            with mode:
+                return pad(sequences, **kwargs)
+        except RuntimeError as exc:
+            return exc
+
+    made = 0
+    for lengths in ((5, 0, 9, 3), (4, 4)):
+        sequences = [(torch.arange(n * 6).view(n, 2, 3) % 7).to(dtype) for n in lengths]
+        for batch_first in (True, False):
+            for side in ("right", "left"):
+                for value in PAD_VALUES:
+                    kwargs = dict(batch_first=batch_first, padding_value=value, padding_side=side)
+                    mode = SlotTensorMode(0)
+                    got, want = outcome(mode, sequences, **kwargs), outcome(None, sequences, **kwargs)
+                    assert mode.builder_calls == 1
+                    case = (lengths, kwargs)
+                    if isinstance(want, RuntimeError) or isinstance(got, RuntimeError):
+                        assert type(got) is type(want) and str(got) == str(want), case
+                        continue
+                    assert (got.dtype, got.shape, got.stride()) == (want.dtype, want.shape, want.stride()), case
+                    assert raw(got) == raw(want), case
+                    made += 1
+    assert made > 0
+
+
+def test_pad_sequence_the_mode_does_not_make_runs_as_torch_runs_it():
+    """Mixed dtypes (torch casts to the first's), other trailing shapes (torch's error),
+    autograd: left to torch, with torch's result or error."""
+    pad = torch.nn.utils.rnn.pad_sequence
+    mixed = [torch.ones(3, 4, dtype=torch.float64), torch.arange(8, dtype=torch.int32).view(2, 4)]
+    grad = [torch.ones(3, 4, requires_grad=True), torch.ones(2, 4)]
+    with SlotTensorMode(0):
+        got_mixed = pad(mixed, batch_first=True)
+        got_grad = pad(grad)
+        with pytest.raises(RuntimeError, match="must match the size"):
+            pad([torch.ones(2, 3), torch.ones(2, 4)])
+    assert got_mixed.dtype == torch.float64 and torch.equal(got_mixed, pad(mixed, batch_first=True))
+    assert got_grad.grad_fn is not None and torch.equal(got_grad, pad(grad))
