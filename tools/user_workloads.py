@@ -3,8 +3,8 @@
 
 Not the bench's workloads (bench/workloads.py) but a check that the speed and memory hold on
 others: images in a dict with their labels, 3-D volumes with the default collate and with
-`np.stack`, audio clips of varying length padded by a numpy collate_fn, and a feature matrix of
-(vector, label) pairs. Each sample is a fresh copy of an array from a small pool, as a decoder's
+`np.stack`, audio clips of varying length padded by a numpy collate_fn, speech features padded
+by torch's `pad_sequence`, and a feature matrix of (vector, label) pairs. Each sample is a fresh copy of an array from a small pool, as a decoder's
 output is; the consumer reads every byte (a sum). Per workload, 3 repeats, torch then shmloader
 in each (interleaved); each run times at least 2 s of batches after 5 untimed ones.
 
@@ -119,6 +119,20 @@ class Clips(Dataset):
         return self.pool[i % len(self.pool)].copy()
 
 
+class Speech(Dataset):
+    """float32 tensors of (frames, 80) log-mel features, 200 to 1600 frames."""
+
+    def __init__(self):
+        generator = torch.Generator().manual_seed(0)
+        self.pool = [torch.rand(n, 80, generator=generator) for n in range(200, 1601, 100)]
+
+    def __len__(self):
+        return 1 << 20
+
+    def __getitem__(self, i):
+        return self.pool[(i * 7) % len(self.pool)].clone()
+
+
 class Features(Dataset):
     """(float32 (4096,), np.int64 label)."""
 
@@ -140,6 +154,12 @@ def pad_collate(clips):
     return out, np.array([len(c) for c in clips], np.int64)
 
 
+def pad_speech(features):
+    """Dynamic padding as speech and text pipelines write it: (padded batch, lengths)."""
+    lengths = torch.tensor([len(f) for f in features])
+    return torch.nn.utils.rnn.pad_sequence(features, batch_first=True), lengths
+
+
 def stack_collate(samples):
     return np.stack(samples)
 
@@ -150,6 +170,7 @@ WORKLOADS = {
     "volumes-stack": (Volumes, dict(batch_size=8, num_workers=2, collate_fn=stack_collate)),
     "volumes-default": (Volumes, dict(batch_size=8, num_workers=2)),
     "clips-pad": (Clips, dict(batch_size=32, num_workers=2, collate_fn=pad_collate)),
+    "speech-pad": (Speech, dict(batch_size=32, num_workers=2, collate_fn=pad_speech)),
     "features": (Features, dict(batch_size=1024, num_workers=2)),
 }
 
