@@ -5,8 +5,12 @@ Not the bench's workloads (bench/workloads.py) but a check that the speed and me
 others: images in a dict with their labels, 3-D volumes with the default collate and with
 `np.stack`, audio clips of varying length padded by a numpy collate_fn, speech features padded
 by torch's `pad_sequence`, and a feature matrix of (vector, label) pairs. Each sample is a fresh copy of an array from a small pool, as a decoder's
-output is; the consumer reads every byte (a sum). Per workload, 3 repeats, torch then shmloader
-in each (interleaved); each run times at least 2 s of batches after 5 untimed ones.
+output is; the consumer reads every byte (a sum: in float64 for numpy arrays, in the tensor's
+own accumulation type for torch tensors, since torch's float64 sum of a 16 MiB float32 tensor
+leaves about 150 MB in its threads' malloc arenas, which would be counted as the loader's memory,
+more in some runs than in others). Per workload, 3 repeats, torch then shmloader in each
+(interleaved); each run times at least 2 s of batches after 5 untimed ones, in a fresh process of
+its own, so that no run's peak memory counts the heap an earlier one grew.
 
 Printed per workload, median [min-max] over the repeats: ms per batch, the ratio torch/shmloader
 paired by repeat, time to the first batch, peak memory and the main process's CPU per batch.
@@ -18,8 +22,10 @@ once, as bench/memwatch.py counts it); a peak shorter than 20 ms can fall betwee
 from __future__ import annotations
 
 import gc
+import json
 import os
 import statistics
+import subprocess
 import sys
 import threading
 import time
@@ -180,7 +186,7 @@ def consume(batch) -> float:
     x = batch["image"] if isinstance(batch, dict) else batch[0] if isinstance(batch, (tuple, list)) else batch
     if isinstance(x, np.ndarray):
         return float(x.sum(dtype=np.float64))
-    return float(x.sum(dtype=torch.float64))
+    return float(x.sum())  # not dtype=torch.float64: see the module docstring
 
 
 def run_once(loader_class, dataset, kwargs) -> dict:
@@ -204,6 +210,19 @@ def run_once(loader_class, dataset, kwargs) -> dict:
     return {"ms": 1e3 * per_batch, "first_s": first, "peak_mb": memory.peak / 1e6, "cpu_ms": 1e3 * cpu}
 
 
+LOADERS = {"torch": DataLoader, "shmloader": ShmDataLoader}
+
+
+def run_isolated(name: str, loader: str) -> dict:
+    """run_once of workload `name` through `loader` ("torch" or "shmloader") in a fresh process."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    done = subprocess.run([sys.executable, "-m", "tools.user_workloads", "--run", name, loader],
+                          cwd=root, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"{name} through {loader} failed (exit {done.returncode}):\n{done.stderr}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 def _cell(values: list[float], digits: int = 1) -> str:
     return f"{statistics.median(values):.{digits}f} [{min(values):.{digits}f}-{max(values):.{digits}f}]"
 
@@ -214,12 +233,12 @@ def main(names: list[str]) -> None:
     warnings.filterwarnings("ignore", message="This DataLoader will create")
     print(f"torch {torch.__version__}, {os.cpu_count()} CPUs; median [min-max] of {REPEATS} repeats")
     for name in names or list(WORKLOADS):
-        make, kwargs = WORKLOADS[name]
-        dataset = make()
+        if name not in WORKLOADS:
+            raise SystemExit(f"no workload {name!r}: choose from {', '.join(WORKLOADS)}")
         runs: dict[str, list[dict]] = {"torch": [], "shmloader": []}
         for _ in range(REPEATS):
-            runs["torch"].append(run_once(DataLoader, dataset, kwargs))
-            runs["shmloader"].append(run_once(ShmDataLoader, dataset, kwargs))
+            for loader in runs:
+                runs[loader].append(run_isolated(name, loader))
         t, s = runs["torch"], runs["shmloader"]
         speed = [a["ms"] / b["ms"] for a, b in zip(t, s)]
         memory = [b["peak_mb"] / a["peak_mb"] for a, b in zip(t, s)]
@@ -233,4 +252,12 @@ def main(names: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    if sys.argv[1:2] == ["--run"]:  # one run, in this fresh process (run_isolated)
+        import warnings
+
+        warnings.filterwarnings("ignore", message="This DataLoader will create")
+        workload, loader_name = sys.argv[2:4]
+        make, loader_kwargs = WORKLOADS[workload]
+        print(json.dumps(run_once(LOADERS[loader_name], make(), loader_kwargs)))
+    else:
+        main(sys.argv[1:])
