@@ -216,7 +216,7 @@ LOADERS = {"torch": DataLoader, "shmloader": ShmDataLoader}
 def run_isolated(name: str, loader: str) -> dict:
     """run_once of workload `name` through `loader` ("torch" or "shmloader") in a fresh process."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    done = subprocess.run([sys.executable, "-m", "tools.user_workloads", "--run", name, loader],
+    done = subprocess.run([sys.executable, "-m", "tools.user_workloads", "--run", name, loader, str(WINDOW_S)],
                           cwd=root, capture_output=True, text=True, check=False)
     if done.returncode != 0:
         raise RuntimeError(f"{name} through {loader} failed (exit {done.returncode}):\n{done.stderr}")
@@ -256,7 +256,8 @@ if __name__ == "__main__":
         import warnings
 
         warnings.filterwarnings("ignore", message="This DataLoader will create")
-        workload, loader_name = sys.argv[2:4]
+        workload, loader_name, window = sys.argv[2:5]
+        WINDOW_S = float(window)
         make, loader_kwargs = WORKLOADS[workload]
         print(json.dumps(run_once(LOADERS[loader_name], make(), loader_kwargs)))
     else:
