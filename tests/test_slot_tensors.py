@@ -258,7 +258,7 @@ def test_pad_sequence_in_the_mode_is_torchs_bit_for_bit_and_raises_torchs_errors
             for side in ("right", "left"):
                 for value in PAD_VALUES:
                     kwargs = dict(batch_first=batch_first, padding_value=value, padding_side=side)
-                    mode = SlotTensorMode(0)
+                    mode = SlotTensorMode(0, min_sequence_bytes=0)
                     got, want = outcome(mode, sequences, **kwargs), outcome(None, sequences, **kwargs)
                     assert mode.builder_calls == 1
                     case = (lengths, kwargs)
@@ -277,10 +277,28 @@ def test_pad_sequence_the_mode_does_not_make_runs_as_torch_runs_it():
     pad = torch.nn.utils.rnn.pad_sequence
     mixed = [torch.ones(3, 4, dtype=torch.float64), torch.arange(8, dtype=torch.int32).view(2, 4)]
     grad = [torch.ones(3, 4, requires_grad=True), torch.ones(2, 4)]
-    with SlotTensorMode(0):
+    with SlotTensorMode(0, min_sequence_bytes=0):
         got_mixed = pad(mixed, batch_first=True)
         got_grad = pad(grad)
         with pytest.raises(RuntimeError, match="must match the size"):
             pad([torch.ones(2, 3), torch.ones(2, 4)])
     assert got_mixed.dtype == torch.float64 and torch.equal(got_mixed, pad(mixed, batch_first=True))
     assert got_grad.grad_fn is not None and torch.equal(got_grad, pad(grad))
+
+
+def test_pad_sequence_of_short_sequences_is_left_to_torch(monkeypatch):
+    """Token ids (256 sequences of 0.4 KiB): copying each from Python costs more than torch's
+    pad_sequence and a copy into the slot (PAD_MIN_SEQUENCE_BYTES), so torch makes it; long ones
+    are made in the slot's memory."""
+    from shmloader import arena
+
+    made = []
+    real_empty = arena.empty_tensor
+    monkeypatch.setattr(arena, "empty_tensor", lambda *a, **k: made.append(a) or real_empty(*a, **k))
+    pad = torch.nn.utils.rnn.pad_sequence
+    tokens = [torch.arange(20 + i % 80) for i in range(256)]
+    frames = [torch.ones(200 + 10 * i, 80) for i in range(8)]  # 62-90 KiB each
+    with SlotTensorMode(16 * 1024):
+        got_tokens, got_frames = pad(tokens, batch_first=True), pad(frames, batch_first=True)
+    assert torch.equal(got_tokens, pad(tokens, batch_first=True)) and torch.equal(got_frames, pad(frames, batch_first=True))
+    assert made == [((8, 270, 80), torch.float32)]
