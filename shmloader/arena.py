@@ -71,8 +71,7 @@ class SlotTensorMode(TorchFunctionMode):
             out = self._output_for(func, args, kwargs)
             if out is not None:
                 return func(*args, **kwargs, out=out)
-        elif func is _PAD_SEQUENCE:
-            self.builder_calls += 1
+        elif func is _PAD_SEQUENCE:  # counted as a builder call only where made here
             padded = self._pad_sequence(args, kwargs)
             if padded is not None:
                 return padded
@@ -98,6 +97,7 @@ class SlotTensorMode(TorchFunctionMode):
             return None  # not tensors: torch's error
         if total_bytes < max(self.min_bytes, self.min_sequence_bytes * len(sequences)):
             return None
+        self.builder_calls += 1
         if not _plain_cpu(sequences) or first.dim() == 0 or any(
                 s.dim() != first.dim() or s.shape[1:] != first.shape[1:] or s.dtype != first.dtype for s in sequences):
             return None
