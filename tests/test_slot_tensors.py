@@ -125,22 +125,30 @@ def test_a_result_torch_would_not_make_contiguous_keeps_its_strides():
 
 
 class KeepsTensors:
-    """Caches every batch and checks, at each call, that none of them changed."""
+    """Caches every batch `build(samples)` makes and checks, at each call, that none of them
+    changed."""
 
-    def __init__(self):
+    def __init__(self, build=torch.stack):
         self.kept = []
+        self.build = build
 
     def __call__(self, samples):
         for batch, snapshot in self.kept:
             if not torch.equal(batch, snapshot):
                 raise AssertionError("a tensor the collate_fn kept was overwritten")
-        batch = torch.stack(samples)
+        batch = self.build(samples)
         self.kept.append((batch, batch.clone()))
         return batch
 
 
-def test_tensors_the_collate_keeps_are_never_overwritten():
-    shm, ref, stats = _both(TensorRows(n=64), KeepsTensors(), prefetch_factor=2)
+def _pad_long(samples):
+    """pad_sequence of the samples cut to different lengths (40 KiB or more each: made in the slot)."""
+    return torch.nn.utils.rnn.pad_sequence([s.view(-1, 64)[: 160 + k] for k, s in enumerate(samples)])
+
+
+@pytest.mark.parametrize("build", [torch.stack, _pad_long])
+def test_tensors_the_collate_keeps_are_never_overwritten(build):
+    shm, ref, stats = _both(TensorRows(n=64), KeepsTensors(build), prefetch_factor=2)
     assert_same_batches(shm, ref)
     assert stats.in_place_bytes == 0, stats  # each batch moved out of the kept segment
 
