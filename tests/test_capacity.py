@@ -24,6 +24,7 @@ import time
 import warnings
 
 import numpy as np
+import psutil
 import pytest
 import torch
 from torch.utils.data import Dataset
@@ -78,18 +79,91 @@ def test_segment_larger_than_free_is_refused_without_allocating():
     _assert_actionable(str(info.value), info.value.needed, info.value.free)
 
 
-def _shm_used() -> int:
-    st = os.statvfs(ring_module.SHM_DIR)
-    return (st.f_blocks - st.f_bfree) * st.f_frsize
+def _shm_used_by(root: int) -> int:
+    """The bytes of /dev/shm that process `root` and its descendants hold, by an open fd or a
+    mapping: what they would use of a /dev/shm of their own.  Not the whole machine's use
+    (statvfs), which counts every other process's segments too (a concurrent test run)."""
+    try:
+        pids = [root] + [child.pid for child in psutil.Process(root).children(recursive=True)]
+    except psutil.Error:
+        pids = [root]
+    held: dict[tuple[int, int], int] = {}  # (device, inode) -> bytes allocated
+    prefix = ring_module.SHM_DIR + "/"
+    for pid in pids:
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            continue
+        for fd in fds:
+            link = f"/proc/{pid}/fd/{fd}"
+            try:
+                if os.readlink(link).startswith(prefix):
+                    st = os.stat(link)
+                    held[(st.st_dev, st.st_ino)] = st.st_blocks * 512
+            except OSError:
+                continue
+        try:
+            with open(f"/proc/{pid}/maps") as maps:
+                lines = maps.read().splitlines()
+        except OSError:
+            continue
+        for line in lines:  # mapped, its fd closed: the mapping's file, else its length
+            fields = line.split(maxsplit=5)
+            if len(fields) < 6 or not fields[5].startswith(prefix):
+                continue
+            major, minor = (int(part, 16) for part in fields[3].split(":"))
+            key = (os.makedev(major, minor), int(fields[4]))
+            if key not in held:
+                start, end = (int(part, 16) for part in fields[0].split("-"))
+                try:
+                    held[key] = os.stat(f"/proc/{pid}/map_files/{fields[0]}").st_blocks * 512
+                except OSError:  # map_files needs CAP_SYS_ADMIN
+                    held[key] = end - start
+    return sum(held.values())
 
 
 @pytest.fixture
 def small_shm(monkeypatch):
-    """Make shmloader believe /dev/shm has 8 MiB, less what is used since (inherited by fork
-    workers): the free bytes fall as segments are made, as on a small /dev/shm."""
-    start = _shm_used()
-    monkeypatch.setattr(ring_module, "shm_free_bytes", lambda path=None: max(0, 8 * MiB - (_shm_used() - start)))
+    """Make shmloader believe /dev/shm has 8 MiB, less what this test's processes have used of
+    it since (inherited by fork workers): the free bytes fall as segments are made, as on a small
+    /dev/shm, whatever other processes on the machine do meanwhile."""
+    root = os.getpid()
+    start = _shm_used_by(root)
+    monkeypatch.setattr(ring_module, "shm_free_bytes",
+                        lambda path=None: max(0, 8 * MiB - (_shm_used_by(root) - start)))
     return 8 * MiB
+
+
+def test_the_small_shm_fixture_counts_this_tests_segments_and_no_others(small_shm):
+    """A segment this process holds (by fd, then by mapping alone) lowers the free bytes it
+    reports; one that another process holds does not."""
+    free = ring_module.shm_free_bytes()
+    segment = create_segment(2 * MiB, 0, "a test segment")
+    assert free - ring_module.shm_free_bytes() == 2 * MiB
+    segment.close_fd()
+    assert free - ring_module.shm_free_bytes() == 2 * MiB  # mapped only
+    del segment
+    gc.collect()
+    assert ring_module.shm_free_bytes() == free
+    holder = (  # forks a holder and exits: the holder is no descendant of this process
+        "import os, sys\n"
+        "if os.fork():\n"
+        "    os._exit(0)\n"
+        "path = '/dev/shm/shmloader-fixture-probe-%d' % os.getpid()\n"
+        "fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)\n"
+        "os.unlink(path)\n"
+        "os.posix_fallocate(fd, 0, 4 << 20)\n"
+        "print('ready', flush=True)\n"
+        "sys.stdin.read()\n")
+    other = subprocess.Popen([sys.executable, "-c", holder], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        other.wait(timeout=30)
+        assert other.stdout.readline().strip() == "ready"
+        assert ring_module.shm_free_bytes() == free
+    finally:
+        other.stdin.close()  # the holder reads to the end and exits
+        assert other.stdout.read() == ""  # at its exit
+        other.stdout.close()
 
 
 @pytest.fixture
