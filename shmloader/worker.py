@@ -99,14 +99,16 @@ COLLATE_CUSTOM = "custom"  # the user's collate_fn, output copied once (or born 
 #   samples_in_slot.py, which also covers torch's default_collate).
 #   SHMLOADER_SLOT_ARENA=0 turns it off.
 #   Before the ring has learnt its slot size (a worker's first batch), the slot is sized by the
-#   samples' array bytes, what a stacking collate_fn makes of them (`first_slot_guess`), so the
-#   first batch is born in its slot too rather than on the heap and copied.  Only from
-#   GUESS_MIN_BYTES up (below, that copy costs little), and a batch that turns out more than
-#   GUESS_MAX_WASTE times smaller than the guess goes to a slot of its own size instead: the ring
-#   learns its slot size from the first slot, which must not be the guess's mistake.  The same
-#   guess sizes a slot the ring leaves to its batch's size (NOTE [ Held batches of varying size ]
-#   in ring.py), until a batch turns out larger than its guess (a padding collate_fn): that
-#   worker guesses no more, and collates on the heap for such slots.
+#   samples' array bytes, each leaf counted at its largest in the batch (`first_slot_guess`):
+#   what a stacking collate_fn makes of samples of one size, and a padding one (pad_sequence,
+#   np.zeros then fill) of sequences, so the first batch is born in its slot too rather than on
+#   the heap and copied.  Only from GUESS_MIN_BYTES up (below, that copy costs little), and a
+#   batch that turns out more than GUESS_MAX_WASTE times smaller than the guess goes to a slot of
+#   its own size instead: the ring learns its slot size from the first slot, which must not be
+#   the guess's mistake.  The same guess sizes a slot the ring leaves to its batch's size (NOTE
+#   [ Held batches of varying size ] in ring.py), until a batch turns out larger than its guess
+#   (a collate_fn that adds more than padding): that worker guesses no more, and collates on the
+#   heap for such slots.
 #   SlotTensorMode costs a worker microseconds a batch, and every torch call inside the collate_fn
 #   goes through it: a worker whose collate_fn made no torch.stack / torch.cat / pad_sequence call in its first
 #   TENSOR_MODE_LEARN_BATCHES batches with an arena (a numpy collate_fn) runs it without the mode
@@ -151,14 +153,18 @@ DESCRIPTOR_BYTES_PER_LEAF = 128  # and per leaf of a batch of records
 
 def first_slot_guess(samples) -> int:
     """The slot bytes for a custom collate_fn's batch before the ring knows its slot size: the
-    samples' array bytes plus room for the arena's prefixes, temporaries and the descriptor; 0
-    when under GUESS_MIN_BYTES (NOTE [ One copy for a numpy collate_fn ])."""
-    nbytes = arrays = 0
-    for sample in samples:
-        for _, leaf in layout.iter_leaves(sample):
-            if type(leaf) is np.ndarray or (type(leaf) is torch.Tensor and layout.is_plain_strided(leaf)):
-                nbytes += leaf.nbytes
-                arrays += 1
+    samples' array bytes, each leaf counted at its largest in the batch (what a stacking
+    collate_fn makes of samples of one size, and a padding one of samples of several, padded to
+    the longest), plus room for the arena's prefixes, temporaries and the descriptor; 0 when
+    under GUESS_MIN_BYTES (NOTE [ One copy for a numpy collate_fn ])."""
+    sizes = [[leaf.nbytes for _, leaf in layout.iter_leaves(sample)
+              if type(leaf) is np.ndarray or (type(leaf) is torch.Tensor and layout.is_plain_strided(leaf))]
+             for sample in samples]
+    arrays = sum(map(len, sizes))
+    if sizes and all(len(leaves) == len(sizes[0]) for leaves in sizes):  # leaf by leaf, padded
+        nbytes = len(sizes) * sum(map(max, zip(*sizes)))
+    else:  # samples of different structures: their bytes as they are
+        nbytes = sum(map(sum, sizes))
     if nbytes < GUESS_MIN_BYTES:
         return 0
     per_sample = -(-arrays // max(1, len(samples)))  # a stacked batch's leaves

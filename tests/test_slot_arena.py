@@ -10,6 +10,7 @@ import gc
 
 import numpy as np
 import pytest
+import torch
 from numpy._core.multiarray import get_handler_name
 from torch.utils.data import DataLoader, Dataset
 
@@ -91,6 +92,40 @@ def test_the_first_batch_of_a_numpy_collate_is_born_in_its_slot(num_workers):
     assert_same_batches(shm, ref)
     assert stats.in_place_bytes == len(shm) * 4 * BIG_ROW, stats
     assert stats.slot_bytes < 4 * BIG_ROW + (1 << 20), stats
+    del shm
+
+
+class Sequences(Dataset):
+    """16 sequences of 1024 float32 features, 1024-2047 rows (4-8 MiB): padded batches of 4
+    are above GUESS_MIN_BYTES, so the first slots are guessed."""
+
+    def __len__(self):
+        return 16
+
+    def __getitem__(self, i):
+        return np.full((1024 + (i * 389) % 1024, 1024), i, np.float32)
+
+
+def pad_numpy(samples):
+    out = np.zeros((len(samples), max(len(s) for s in samples), 1024), np.float32)
+    for k, sample in enumerate(samples):
+        out[k, : len(sample)] = sample
+    return out
+
+
+def pad_torch(samples):
+    return torch.nn.utils.rnn.pad_sequence([torch.from_numpy(s) for s in samples], batch_first=True)
+
+
+@pytest.mark.parametrize("hold", [False, True])
+@pytest.mark.parametrize("collate_fn", [pad_numpy, pad_torch])
+def test_the_first_batch_of_a_padding_collate_is_born_in_its_slot(collate_fn, hold):
+    """The guess counts each leaf at its largest in the batch, so a padding collate_fn's batch
+    fits in the guessed slot: each worker's first batch at least is built in place (when the
+    guess was the samples' bytes, none was, and kept ones never were)."""
+    shm, ref, stats = _both(Sequences(), collate_fn, hold=hold)
+    assert_same_batches(shm, ref)
+    assert stats.in_place_bytes >= sum(sorted(b.nbytes for b in shm)[:2]), stats
     del shm
 
 
