@@ -99,16 +99,19 @@ COLLATE_CUSTOM = "custom"  # the user's collate_fn, output copied once (or born 
 #   samples_in_slot.py, which also covers torch's default_collate).
 #   SHMLOADER_SLOT_ARENA=0 turns it off.
 #   Before the ring has learnt its slot size (a worker's first batch), the slot is sized by the
-#   samples' array bytes, each leaf counted at its largest in the batch (`first_slot_guess`):
-#   what a stacking collate_fn makes of samples of one size, and a padding one (pad_sequence,
-#   np.zeros then fill) of sequences, so the first batch is born in its slot too rather than on
-#   the heap and copied.  Only from GUESS_MIN_BYTES up (below, that copy costs little), and a
-#   batch that turns out more than GUESS_MAX_WASTE times smaller than the guess goes to a slot of
-#   its own size instead: the ring learns its slot size from the first slot, which must not be
-#   the guess's mistake.  The same guess sizes a slot the ring leaves to its batch's size (NOTE
-#   [ Held batches of varying size ] in ring.py), until a batch turns out larger than its guess
-#   (a collate_fn that adds more than padding): that worker guesses no more, and collates on the
-#   heap for such slots.
+#   samples' array bytes (`slot_guesses`), what a stacking or joining collate_fn makes of them,
+#   so the first batch is born in its slot too rather than on the heap and copied.  Only from
+#   GUESS_MIN_BYTES up (below, that copy costs little), and a batch that turns out more than
+#   GUESS_MAX_WASTE times smaller than the guess goes to a slot of its own size instead: the ring
+#   learns its slot size from the first slot, which must not be the guess's mistake.  The same
+#   guess sizes a slot the ring leaves to its batch's size (NOTE [ Held batches of varying size ]
+#   in ring.py).  A batch larger than its guess but no larger than its samples with each leaf
+#   counted at its largest in the batch is a padding collate_fn's (pad_sequence, np.zeros then
+#   fill): that worker's later guesses count the leaves so (a guess far too big turns it back).
+#   One larger still (a collate_fn that adds more than padding): that worker guesses no more,
+#   and collates on the heap for such slots.  Not padded from the start: a joining collate_fn
+#   (np.concatenate of samples of different sizes) would have the ring learn a slot up to
+#   GUESS_MAX_WASTE times its batches.
 #   SlotTensorMode costs a worker microseconds a batch, and every torch call inside the collate_fn
 #   goes through it: a worker whose collate_fn made no torch.stack / torch.cat / pad_sequence call in its first
 #   TENSOR_MODE_LEARN_BATCHES batches with an arena (a numpy collate_fn) runs it without the mode
@@ -151,24 +154,29 @@ DESCRIPTOR_ROOM = 4096  # a guessed slot's room for the header and the descripto
 DESCRIPTOR_BYTES_PER_LEAF = 128  # and per leaf of a batch of records
 
 
-def first_slot_guess(samples) -> int:
-    """The slot bytes for a custom collate_fn's batch before the ring knows its slot size: the
-    samples' array bytes, each leaf counted at its largest in the batch (what a stacking
-    collate_fn makes of samples of one size, and a padding one of samples of several, padded to
-    the longest), plus room for the arena's prefixes, temporaries and the descriptor; 0 when
-    under GUESS_MIN_BYTES (NOTE [ One copy for a numpy collate_fn ])."""
+def slot_guesses(samples) -> tuple[int, int]:
+    """The slot bytes for a custom collate_fn's batch before the ring knows its slot size, two
+    ways: the samples' array bytes as they are (what a stacking collate_fn makes of samples of
+    one size, or a joining one of any), and with each leaf counted at its largest in the batch
+    (what a padding one makes of sequences); each with room for the arena's prefixes,
+    temporaries and the descriptor, 0 when under GUESS_MIN_BYTES (NOTE [ One copy for a numpy
+    collate_fn ])."""
     sizes = [[leaf.nbytes for _, leaf in layout.iter_leaves(sample)
               if type(leaf) is np.ndarray or (type(leaf) is torch.Tensor and layout.is_plain_strided(leaf))]
              for sample in samples]
     arrays = sum(map(len, sizes))
-    if sizes and all(len(leaves) == len(sizes[0]) for leaves in sizes):  # leaf by leaf, padded
-        nbytes = len(sizes) * sum(map(max, zip(*sizes)))
-    else:  # samples of different structures: their bytes as they are
-        nbytes = sum(map(sum, sizes))
-    if nbytes < GUESS_MIN_BYTES:
-        return 0
+    as_they_are = sum(map(sum, sizes))
+    padded = as_they_are
+    if sizes and all(len(leaves) == len(sizes[0]) for leaves in sizes):  # leaf by leaf
+        padded = len(sizes) * sum(map(max, zip(*sizes)))
     per_sample = -(-arrays // max(1, len(samples)))  # a stacked batch's leaves
-    return nbytes + ARENA_BLOCK_SLACK * (per_sample + 1) + ARENA_TEMPORARIES_MAX + DESCRIPTOR_ROOM
+    room = ARENA_BLOCK_SLACK * (per_sample + 1) + ARENA_TEMPORARIES_MAX + DESCRIPTOR_ROOM
+    return tuple(nbytes + room if nbytes >= GUESS_MIN_BYTES else 0 for nbytes in (as_they_are, padded))
+
+
+def first_slot_guess(samples) -> int:
+    """slot_guesses()'s bytes as the samples are."""
+    return slot_guesses(samples)[0]
 
 
 def records_slot_guess(sample, batch_size: int) -> int:
@@ -348,6 +356,7 @@ class _Worker:
         self.arena_on = os.environ.get("SHMLOADER_SLOT_ARENA", "1") != "0"
         self.tensor_mode_unused = 0  # batches in a row whose collate_fn built no tensor under the mode
         self.guess_fits = True  # no guessed slot has been too small for its batch yet (NOTE above)
+        self.guess_padded = False  # a batch was as large as its samples padded to the longest
 
     def _enter(self, stage: int, idx: int = -1) -> str:
         """Record the stage in this worker's status word (and time the one it leaves: NOTE
@@ -536,6 +545,7 @@ class _Worker:
         segment = None
         arena = fresh = in_slot = returned = None
         guessed = False
+        guesses = (0, 0)
         try:
             if self.init_error is not None:
                 stage, payload = self.init_error
@@ -575,7 +585,8 @@ class _Worker:
                 if grant is None:
                     stage = self._enter(AWAITING_SLOT, idx)
                     grant = self._next_grant(idx)
-                    guess = first_slot_guess(samples) if not (grant[2] or grant[3]) and self.guess_fits else 0
+                    guesses = slot_guesses(samples) if not (grant[2] or grant[3]) and self.guess_fits else (0, 0)
+                    guess = guesses[1] if self.guess_padded else guesses[0]
                     try:
                         arena, fresh = self.slot_arena(grant, guess)
                     except NoRoomForSlot:  # handed back: collated on the heap, a slot found later
@@ -617,6 +628,7 @@ class _Worker:
             if guessed and GUESS_MAX_WASTE * (plan.total_bytes + arena_slack(plan)) < segment.size:
                 # the guess was far too big: a slot of the batch's size (NOTE [ One copy for ... ]);
                 # the arena keeps the guessed segment mapped for the arrays born in it
+                self.guess_padded = False  # it joins samples of several sizes after all
                 segment.close_fd()  # never sent
                 plan, sources_in_slot, segment, grown, in_arena = layout.plan_batch(batch), False, None, None, False
             if in_arena and plan.total_bytes > segment.size:
@@ -624,7 +636,9 @@ class _Worker:
                 # from the slot's start instead, what lies in the slot copied out first.
                 plan, sources_in_slot = layout.plan_batch(batch), True
             if segment is None or plan.total_bytes > segment.size:
-                if guessed:  # the collate_fn makes more than its samples' bytes (padding)
+                if guessed and not self.guess_padded and plan.total_bytes + arena_slack(plan) <= guesses[1]:
+                    self.guess_padded = True  # a padding collate_fn: its next guesses count it
+                elif guessed:  # the collate_fn makes more than its samples' bytes, padded
                     self.guess_fits = False
                 sources_in_slot = False  # a new segment: no source lies in it
                 if in_arena:  # a new segment gets every byte: nothing is in place there
