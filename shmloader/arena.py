@@ -30,11 +30,13 @@ from torch.overrides import TorchFunctionMode
 _BUILDERS = frozenset({torch.stack, torch.cat, torch.concat, torch.concatenate})
 _PAD_SEQUENCE = torch._C._nn.pad_sequence  # what torch.nn.utils.rnn.pad_sequence calls
 _PAD_ARGUMENTS = ("sequences", "batch_first", "padding_value", "padding_side")
+_RESIZES = frozenset({torch.Tensor.resize_, torch.Tensor.resize_as_})
 
 
 def empty_tensor(shape, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """An uninitialised contiguous CPU tensor whose memory numpy allocates: inside a worker's
-    collate_fn it lies in the batch's slot, so returning it (filled) costs no copy."""
+    collate_fn it lies in the batch's slot, so returning it (filled) costs no copy.  Like
+    torch.from_numpy's, its storage cannot grow: resize_ it larger and torch raises."""
     shape = tuple(shape)
     if math.prod(shape) == 0:
         return torch.empty(shape, dtype=dtype)  # no bytes (numpy gives an empty block stride 0)
@@ -63,6 +65,7 @@ class SlotTensorMode(TorchFunctionMode):
         self.min_bytes = min_bytes
         self.min_sequence_bytes = min_sequence_bytes
         self.builder_calls = 0  # torch.stack / torch.cat calls seen (a worker learns from it)
+        self.made: set[int] = set()  # the storages (data pointers) of the tensors made here
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -70,12 +73,24 @@ class SlotTensorMode(TorchFunctionMode):
             self.builder_calls += 1
             out = self._output_for(func, args, kwargs)
             if out is not None:
+                self.made.add(out.untyped_storage().data_ptr())
                 return func(*args, **kwargs, out=out)
         elif func is _PAD_SEQUENCE:  # counted as a builder call only where made here
             padded = self._pad_sequence(args, kwargs)
             if padded is not None:
+                self.made.add(padded.untyped_storage().data_ptr())
                 return padded
+        elif func in _RESIZES and args and type(args[0]) is torch.Tensor:
+            self._resizable(args[0])
         return func(*args, **kwargs)
+
+    def _resizable(self, tensor: torch.Tensor) -> None:
+        """A tensor made here lies in a block of the slot, which cannot grow: before it is
+        resized, it gets a storage of its own on the heap (a copy, as torch's result would have
+        been), so that resize_ works as it does on torch's result."""
+        storage = tensor.untyped_storage()
+        if not storage.resizable() and storage.data_ptr() in self.made:
+            tensor.set_(storage.clone(), tensor.storage_offset(), tensor.shape, tensor.stride())
 
     def _pad_sequence(self, args, kwargs) -> torch.Tensor | None:
         """torch's pad_sequence, born in the slot; None where torch should make it (several

@@ -312,3 +312,28 @@ def test_pad_sequence_of_short_sequences_is_left_to_torch(monkeypatch):
         got_frames = pad(frames, batch_first=True)
     assert torch.equal(got_tokens, pad(tokens, batch_first=True)) and torch.equal(got_frames, pad(frames, batch_first=True))
     assert made == [((8, 270, 80), torch.float32)]
+
+
+def pad_then_grow(samples):
+    """Resized in place after pad_sequence (an end frame added): found by a new-user check."""
+    padded = torch.nn.utils.rnn.pad_sequence(samples, batch_first=True)
+    old = padded.numel()
+    padded.resize_(padded.shape[0], padded.shape[1] + 1, padded.shape[2])
+    padded.view(-1)[old:] = 1
+    return padded
+
+
+def stack_then_grow(samples):
+    stacked = torch.stack(samples)
+    old = stacked.numel()
+    stacked.resize_as_(torch.empty(stacked.shape[0] + 1, *stacked.shape[1:]))
+    stacked.view(-1)[old:] = 2
+    return stacked
+
+
+@pytest.mark.parametrize("collate_fn, dataset", [(pad_then_grow, Sequences), (stack_then_grow, TensorRows)])
+def test_a_tensor_built_in_the_slot_can_be_resized_as_torchs_can(collate_fn, dataset):
+    """A block of the slot cannot grow; a tensor the mode made there gets a heap storage of its
+    own before resize_ / resize_as_, as torch's result has: torch's batches, no error."""
+    shm, ref, stats = _both(dataset(), collate_fn)
+    assert_same_batches(shm, ref)
