@@ -18,6 +18,16 @@ _LIKELY_CAUSE = {
 }
 
 
+def safe_text(obj, *, as_repr: bool = False) -> str:
+    """str(obj) (repr(obj) with `as_repr`), or a placeholder naming its type where that raises: an
+    error path must not fail on a user's exception or leaf whose __str__/__repr__ raises (a worker
+    would die of it, where torch's re-raises the exception and the epoch goes on)."""
+    try:
+        return repr(obj) if as_repr else str(obj)
+    except Exception:
+        return f"<{type(obj).__name__} object: {'repr' if as_repr else 'str'}() failed>"
+
+
 def describe_exit(exitcode: int | None, status_lost: bool = False) -> str:
     """'killed by SIGKILL (likely ...)' or 'exited with status 3' for a process's exit code;
     `status_lost`: it has exited but the kernel reaped it (NOTE [ SIGCHLD ignored ] in pool.py)."""

@@ -69,7 +69,7 @@ import numpy as np
 import torch
 
 from . import _ring, torch_private
-from .errors import BatchShapeError, LayoutError, SlotProtocolError
+from .errors import BatchShapeError, LayoutError, SlotProtocolError, safe_text
 
 HEADER_BYTES = _ring.HEADER_BYTES
 ALIGN = _ring.LEAF_ALIGN
@@ -645,10 +645,11 @@ def _pickling_error(structure, exc: Exception) -> LayoutError:
             pickle.dumps(leaf, protocol=pickle.HIGHEST_PROTOCOL)
         except Exception as leaf_exc:
             return LayoutError(
-                f"cannot send {type(leaf).__name__} {leaf!r:.80} at {path}: it cannot be pickled "
-                f"({leaf_exc}); return arrays, tensors, numbers, str or None from the dataset and collate_fn"
+                f"cannot send {type(leaf).__name__} {safe_text(leaf, as_repr=True):.80} at {path}: it cannot "
+                f"be pickled ({safe_text(leaf_exc)}); return arrays, tensors, numbers, str or None from the "
+                "dataset and collate_fn"
             )
-    return LayoutError(f"cannot send the batch: {exc}")
+    return LayoutError(f"cannot send the batch: {safe_text(exc)}")
 
 
 # -- writing (worker) and reading (main) ---------------------------------------------------------

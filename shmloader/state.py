@@ -50,6 +50,7 @@ from typing import Any
 import torch
 
 from ._version import __version__
+from .errors import safe_text
 from .protocol import State
 from .torch_private import DatasetKind as _DatasetKind
 from .torch_private import InfiniteConstantSampler as _InfiniteConstantSampler
@@ -105,7 +106,7 @@ def _state_of(obj: Any):
     try:
         return obj.state_dict()
     except Exception as exc:
-        return {STATE_ERROR: f"{_name(obj)}.state_dict() raised {type(exc).__name__}: {exc}"}
+        return {STATE_ERROR: f"{_name(obj)}.state_dict() raised {type(exc).__name__}: {safe_text(exc)}"}
 
 
 def _error_in(state: Any) -> str | None:

@@ -43,7 +43,7 @@ from . import heap, layout, protocol, torch_private
 from ._ring import SlotArena
 from .arena import SlotTensorMode, empty_tensor
 from .channel import Channel, ChannelClosed
-from .errors import NoRoomForSlot, ShmCapacityError, SlotProtocolError
+from .errors import NoRoomForSlot, ShmCapacityError, SlotProtocolError, safe_text
 from .ownership import close_parent_only_in_child, freeze_inherited_objects
 from .protocol import (
     AWAITING_SLOT,
@@ -252,7 +252,7 @@ def exception_payload(exc: BaseException) -> tuple:
             break
         except Exception:
             blob = None
-    return (blob, f"{type(exc).__module__}.{type(exc).__qualname__}", str(exc), text)
+    return (blob, f"{type(exc).__module__}.{type(exc).__qualname__}", safe_text(exc), text)
 
 
 def _collate_tensors_without_shm(batch, *, collate_fn_map=None):

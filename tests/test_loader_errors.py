@@ -287,6 +287,57 @@ def test_object_array_with_default_collate_names_the_path():
     assert "batch['obj']" in str(exc)
 
 
+class _StrFails(Exception):
+    def __str__(self):
+        raise RuntimeError("this exception's str() fails")
+
+
+class _RaisesStrFails(Dataset):
+    def __len__(self):
+        return 6
+
+    def __getitem__(self, i):
+        if i == 2:
+            raise _StrFails("sample 2")
+        return torch.tensor([i])
+
+
+def test_an_exception_whose_str_raises_is_raised_and_the_epoch_goes_on_as_torch():
+    """Sending a worker's exception formats it: an exception whose __str__ raises must not kill
+    the worker (it did: the loader broke) where torch re-raises its type and goes on."""
+    got = []
+    for loader_class in (DataLoader, ShmDataLoader):
+        it = iter(loader_class(_RaisesStrFails(), batch_size=2, num_workers=1))
+        first = next(it).tolist()
+        with pytest.raises(_StrFails) as error:
+            next(it)
+        got.append((first, next(it).tolist(), collect(it)))
+        if loader_class is DataLoader:
+            it._shutdown_workers()
+        del it, error
+    assert got[0][:2] == got[1][:2] == ([[0], [1]], [[4], [5]])
+    assert got[0][2] == got[1][2] == []
+
+
+class _NeitherPicklesNorPrints:
+    def __reduce__(self):
+        raise TypeError("no pickling")
+
+    def __repr__(self):
+        raise RuntimeError("no repr either")
+
+
+def _collate_with_an_odd_leaf(samples):
+    return {"x": torch.stack(samples), "odd": _NeitherPicklesNorPrints()}
+
+
+def test_a_leaf_that_neither_pickles_nor_prints_names_its_path():
+    exc, _ = _first_error(ShmDataLoader(_RaisesStrFails(), batch_size=1, num_workers=1,
+                                        collate_fn=_collate_with_an_odd_leaf))
+    assert isinstance(exc, LayoutError), exc
+    assert "batch['odd']" in str(exc) and "repr() failed" in str(exc) and "no pickling" in str(exc)
+
+
 def test_object_array_from_custom_collate_arrives_as_torch_delivers_it():
     shm = ShmDataLoader(ds.DictDataset(n=4), batch_size=2, num_workers=2, collate_fn=ds.object_array_collate)
     ref = DataLoader(ds.DictDataset(n=4), batch_size=2, num_workers=2, collate_fn=ds.object_array_collate)
