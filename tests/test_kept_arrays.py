@@ -248,3 +248,58 @@ def test_memmap_and_masked_rows_under_the_default_collate(tmp_path, sample_paral
                                     sample_parallel=sample_parallel)]
     assert_same_batches(got, want)
     del got
+
+
+class RefillsOneBuffer:
+    """A collate_fn that stacks every batch into one buffer it keeps and returns it (out=)."""
+
+    def __init__(self):
+        self.buffers = {}
+
+    def __call__(self, samples):
+        key = len(samples)
+        if key not in self.buffers:
+            self.buffers[key] = np.empty((key, *samples[0].shape), samples[0].dtype)
+        return np.stack(samples, out=self.buffers[key])
+
+
+class ZeroesItsLastBatch:
+    """A collate_fn that keeps the batch it returned and zeroes it at its next call."""
+
+    def __init__(self):
+        self.last = None
+
+    def __call__(self, samples):
+        if self.last is not None:
+            self.last *= 0
+        self.last = np.stack(samples)
+        return self.last
+
+
+class FewBigRows(BigRows):
+    """4 batches of 10 MiB: the first is born in a slot sized by a guess, and so is a buffer
+    the collate_fn makes at its first call."""
+
+    def __len__(self):
+        return 16
+
+
+@pytest.mark.parametrize("num_workers", [1, 2])
+@pytest.mark.parametrize("make_dataset, make_collate", [
+    (FewBigRows, RefillsOneBuffer),
+    (Rows, ZeroesItsLastBatch),
+    (FewBigRows, ZeroesItsLastBatch),
+], ids=["refills-one-buffer", "zeroes-last", "zeroes-last-big"])
+def test_a_collate_fn_that_writes_to_a_batch_it_returned_never_changes_a_delivered_one(make_dataset, make_collate,
+                                                                                      num_workers):
+    """The worker writes later into an array it returned (an out= buffer it refills, a batch it
+    zeroes): each delivered batch stays as it was collated, held or not. The reference is built
+    in this process: torch's own loader pickles a returned numpy batch in a feeder thread, after
+    the collate_fn has returned, so on such a collate_fn it delivers the wrong batch now and then."""
+    dataset = make_dataset()
+    want = [np.stack([dataset[i] for i in range(k, min(k + 4, len(dataset)))]) for k in range(0, len(dataset), 4)]
+    got = list(ShmDataLoader(dataset, batch_size=4, num_workers=num_workers, collate_fn=make_collate()))
+    time.sleep(0.2)  # the workers' later writes, if any reached a delivered batch
+    assert len(got) == len(want)
+    for k, (batch, expected) in enumerate(zip(got, want)):
+        assert np.array_equal(batch, expected), f"batch {k} changed after it was delivered"
