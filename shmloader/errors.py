@@ -83,8 +83,9 @@ class RingFullError(ShmLoaderError, RuntimeError):
 
 
 class LoaderBrokenError(ShmLoaderError, RuntimeError):
-    """next() on an iterator that an earlier error shut down (a dead worker, Ctrl-C,
-    a protocol error), naming that error.  An iterator that simply ended raises StopIteration."""
+    """The first next() on an iterator that an earlier error shut down (a dead worker, Ctrl-C,
+    a protocol error), naming that error; later ones raise StopIteration (NOTE [ Shutdown ] in
+    pool.py).  An iterator that simply ended raises StopIteration."""
 
 
 class ShmCapacityError(ShmLoaderError, MemoryError):

@@ -346,6 +346,7 @@ class _PoolIter(torch_private.BaseDataLoaderIter):
         super().__init__(loader)
         self._shutdown = False
         self._broken: str | None = None  # "Type: message" of the error that shut it down
+        self._broken_said = False  # LoaderBrokenError raised (once; NOTE [ Shutdown ] in pool.py)
         self._pool: WorkerPool | None = None
         self._scheduler: SlotScheduler | None = None
         self._final_ring_stats: RingStats | None = None
@@ -386,10 +387,12 @@ class _PoolIter(torch_private.BaseDataLoaderIter):
                 "iter(loader) in this process for workers of its own"
             )
         if self._shutdown:
-            if self._broken is not None:
+            if self._broken is not None and not self._broken_said:
+                self._broken_said = True  # once: a loop that catches errors and goes on must end
                 raise LoaderBrokenError(
                     f"this DataLoader iterator was shut down by an earlier error ({self._broken}); "
-                    "start a new epoch with iter(loader)"
+                    "the epoch ends here (later next() calls raise StopIteration): start a new "
+                    "epoch with iter(loader)"
                 )
             raise StopIteration
 
@@ -435,7 +438,8 @@ class _PoolIter(torch_private.BaseDataLoaderIter):
         raise error
 
     def _break(self, error: BaseException) -> None:
-        """Shut down after `error`; every later next() raises LoaderBrokenError (NOTE [ Shutdown ]).
+        """Shut down after `error`; the next next() raises LoaderBrokenError, later ones
+        StopIteration (NOTE [ Shutdown ]).
         Only its text is kept: its traceback's frames may hold the user's batches."""
         if self._broken is None:
             lines = str(error).splitlines()

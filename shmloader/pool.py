@@ -11,11 +11,15 @@ NOTE [ Shutdown ]
   every worker, give them a moment, terminate the rest (safe: slot segments have no names to
   leak and the kernel closes their fds), join, close the sockets and the process sentinels, then
   the iterator closes the ring.  Slots whose batches the user still holds stay mapped until those
-  views are freed.  A shutdown caused by an error leaves the iterator *broken*: every later
-  next() raises LoaderBrokenError (its __cause__ the original error) rather than end the epoch
-  quietly; an epoch that simply ended raises StopIteration.  A worker's own exception inside a
-  task is not an error of the loader: it is raised at its batch's turn and the epoch goes on, as
-  in torch.
+  views are freed.  A shutdown caused by an error leaves the iterator *broken*: the error is
+  raised, then the next next() raises LoaderBrokenError naming it, so that a loop that did not
+  see it learns why the epoch stopped, and every later next() raises StopIteration, as a
+  generator does after raising: a loop that catches errors and calls next() again (log and
+  skip) ends instead of spinning on LoaderBrokenError.  torch's iterator goes on after a worker
+  death with the other workers' batches (the dead worker's are lost); this one ends the epoch
+  there, and iter(loader) starts the next with fresh workers.  A worker's own exception inside
+  a task is not an error of the loader: it is raised at its batch's turn and the epoch goes on,
+  as in torch.
 """
 
 from __future__ import annotations

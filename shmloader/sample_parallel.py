@@ -23,8 +23,8 @@ NOTE [ Samples of one batch over the workers ]
        is never published: its slot goes back to the ring once every chunk has reported (no
        worker writes to it any more) and the first failing row's exception (the lowest row) is
        raised at the batch's turn; the epoch goes on, as in torch.  A worker death shuts the
-       loader down (WorkerDiedError, then LoaderBrokenError), so no batch with missing rows is
-       ever delivered.
+       loader down (WorkerDiedError, then one LoaderBrokenError, then StopIteration), so no
+       batch with missing rows is ever delivered.
 
   The schema.  Before the first batch can be given a slot, the batch's layout must be known:
   the worker that gets row 0 of batch n (_first_worker) fetches it (seeded as that row), learns the RowSchema
