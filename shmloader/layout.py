@@ -143,10 +143,14 @@ class StackedLeaf:
 
 
 def _first_mismatch(rows, key) -> str | None:
+    """Where the samples' shapes (`key`) first differ, in torch's words too (code written for
+    torch's DataLoader may match its message)."""
     first = key(rows[0])
     for i, row in enumerate(rows):
         if key(row) != first:
-            return f"sample 0 is {_describe(rows[0])}, sample {i} is {_describe(row)}"
+            return (f"sample 0 is {_describe(rows[0])}, sample {i} is {_describe(row)} (stack expects "
+                    f"each tensor to be equal size, but got {list(first)} at entry 0 and {list(key(row))} "
+                    f"at entry {i})")
     return None
 
 
