@@ -230,6 +230,11 @@ class ShmDataLoader(DataLoader[_T_co]):
         if self.num_workers == 0:
             return state.SingleProcessIter(self)  # in-process (torch's, resumable): nothing to transport
         self.check_worker_number_rationality()
+        # torch's iterator's own check, in both modes (without it no task is ever sent); raised,
+        # not asserted, as torch does: `python -O` drops an assert
+        if self.prefetch_factor <= 0:
+            raise AssertionError("prefetch_factor must be greater than 0 for MultiProcessingDataLoaderIter "
+                                 f"(ShmDataLoader with num_workers > 0), got {self.prefetch_factor}")
         if self.sample_parallel:
             from .sample_parallel import SampleParallelIter, check_loader
 
@@ -491,8 +496,6 @@ class _ShmLoaderIter(_PoolIter):
         super().__init__(loader)
         self._resumable = state.IterState.attach(self, loader)  # a loaded state's seed, before the workers start
         self._prefetch_factor = loader.prefetch_factor
-        # torch's own check (an AssertionError there too); without it no task is ever sent
-        assert self._prefetch_factor > 0, "prefetch_factor must be greater than 0"
         self._in_order = getattr(loader, "in_order", True)
         self._clock = BatchClock(getattr(loader, "_timing", True))  # NOTE [ Stage clocks ]
         self._events: collections.deque = collections.deque()  # results read ahead of their wait

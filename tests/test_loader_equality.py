@@ -428,6 +428,15 @@ INVALID = {
     "zero batch_size": dict(batch_size=0),
 }
 
+@pytest.mark.parametrize("sample_parallel", [False, True])
+def test_prefetch_factor_zero_raises_torchs_assertion_in_both_modes(sample_parallel):
+    """torch's iterator raises it (sample_parallel=True delivered batches regardless)."""
+    loader = ShmDataLoader(list(range(8)), batch_size=2, num_workers=2, prefetch_factor=0,
+                           sample_parallel=sample_parallel)
+    with pytest.raises(AssertionError, match="prefetch_factor must be greater than 0 for MultiProcessingDataLoaderIter"):
+        iter(loader)
+
+
 INVALID_ITERABLE = {
     "shuffle with iterable": dict(shuffle=True),
     "sampler with iterable": dict(sampler=[0, 1]),
