@@ -22,7 +22,8 @@ NOTE [ Cross-epoch prefetch ]
   infinite sampler such as torch's `_InfiniteConstantSampler` for iterable datasets) gets no
   forecast (None).
 
-  The loader sends the forecast items to the workers as epoch e+1's first tasks. When the loop
+  The loader sends the forecast items to the workers as epoch e+1's first tasks
+  (`NextEpochPrefetch`, the iterator's side of this note, keeps that bookkeeping). When the loop
   calls iter(loader), the loader draws the real items as torch does, and for each position checks
   `matches(forecast item, real item)`: a prefetched batch is kept only where they are equal, and
   is otherwise dropped and the real item sent. So correctness never depends on the forecast; only
@@ -51,17 +52,22 @@ NOTE [ Cross-epoch prefetch ]
 
 from __future__ import annotations
 
+import collections
 import copy
 import itertools
 import numbers
 import operator
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
 from torch.utils.data.distributed import DistributedSampler
+
+from . import torch_private
+from .protocol import Rewind, Task
 
 _CHAIN_DEPTH = 4  # how far `.sampler` / `.batch_sampler` are followed to find epoch holders
 
@@ -87,6 +93,127 @@ def make(index_sampler: Any, count: int, epoch: int, *, dataset: Any = None) -> 
     """`forecast()` wrapped as a `Forecast` for loader epoch `epoch` (None: no forecast)."""
     items = forecast(index_sampler, count, dataset=dataset)
     return None if items is None else Forecast(epoch, items)
+
+
+class NextEpochPrefetch:
+    """The iterator's side of the forecast: at epoch e's end it sends epoch e+1's forecast first
+    items as tasks (tagged -(e+1)), one per finished task; at e+1's prime it keeps those the
+    sampler bears out, as a prefix, and has the workers undo the draws of the rest (Rewind).
+    Their results that come in before e+1 begins wait aside until it does."""
+
+    def __init__(self, enabled: bool, num_workers: int, count: int) -> None:
+        self.enabled = enabled
+        self._num_workers = num_workers
+        self._count = count  # the tasks torch keeps in flight (prefetch_factor x num_workers)
+        self._ahead: Forecast | None = None  # the next epoch's, while this one ends
+        self._ahead_sent = 0  # of its items sent as tasks
+        self._ahead_tried = False  # this epoch's forecast was made (or could not be)
+        self._early: dict[int, tuple] = {}  # the next epoch's results, in before it began
+        self._taken: Forecast | None = None  # during a prime: the last epoch's forecast ...
+        self._taken_early: dict[int, tuple] = {}  # ... and its results
+        self._adopting: Forecast | None = None  # the forecast the prime checks, item by item
+        self._adoptable = 0  # during a prime: how many of its items were sent
+        self.adopted: set[int] = set()  # this epoch's batches that were prefetched and kept
+        self.prefetched = 0  # batches kept, in all epochs
+        self.misses = 0  # forecasts the sampler did not bear out in full
+
+    # -- epoch e's end ---------------------------------------------------------------------------
+
+    def send_ahead(self, epoch: int, index_sampler: Any, dataset: Any, outstanding: int,
+                   send_task: Callable[[int, Task], None], send_resume: Callable[[int], None]) -> None:
+        """Epoch `epoch`'s indices are all sent: send the next epoch's next forecast item, while
+        fewer than the tasks torch keeps in flight within an epoch are out (`outstanding`: this
+        epoch's); the forecast is made at the first call."""
+        if not self.enabled:
+            return
+        if not self._ahead_tried:
+            self._ahead_tried = True
+            self._ahead = make(index_sampler, self._count, epoch + 1, dataset=dataset)
+            if self._ahead is not None and len(self._ahead):
+                send_resume(epoch + 1)  # the workers see it after epoch e's last task
+                torch_private.is_iter_datapipe(dataset)  # warm what the next _reset asks
+        ahead = self._ahead
+        if ahead is None or self._ahead_sent >= len(ahead) or outstanding + self._ahead_sent >= self._count:
+            return
+        position = self._ahead_sent
+        send_task(position % self._num_workers,  # the worker the next epoch's prime will pick
+                  Task(-ahead.epoch, position, ahead.items[position]))
+        self._ahead_sent += 1
+
+    def result_of(self, epoch_now: int, epoch: int, idx: int) -> str:
+        """For a result tagged `epoch` that is not epoch `epoch_now`'s own: 'now' for a kept
+        prefetched batch of this epoch, 'early' for one of the next epoch's forecast (kept aside
+        until it begins), 'stale' for the rest."""
+        if epoch == -epoch_now and idx in self.adopted:
+            return "now"
+        if self._ahead is not None and epoch == -self._ahead.epoch:
+            return "early"
+        return "stale"
+
+    def keep_early(self, idx: int, worker_id: int, result) -> None:
+        self._early[idx] = (worker_id, result)
+
+    # -- epoch e+1's prime -----------------------------------------------------------------------
+
+    def new_epoch(self) -> None:
+        """At the top of the reset: no batch of the epoch is kept yet."""
+        self.adopted = set()
+
+    def start_prime(self, epoch: int) -> None:
+        """Before `epoch`'s prime (after the workers' Resumed): the last forecast and its early
+        results are taken aside to be checked; a short epoch may make the next one's forecast
+        during this very prime."""
+        self._taken, self._ahead, self._ahead_tried = self._ahead, None, False
+        self._adopting = self._taken if self._taken is not None and self._taken.epoch == epoch else None
+        self._adoptable, self._ahead_sent = self._ahead_sent, 0
+        self._taken_early, self._early = self._early, {}
+
+    def keeps(self, position: int, index: Any, worker_id: int, send: Callable) -> bool:
+        """Whether the prime's task at `position` for `index` was sent ahead, to `worker_id`, with
+        every earlier one kept too (a forecast is kept as a prefix, or not at all from there);
+        where not, the workers undo the draws of the forecast's tasks from `position` on."""
+        ahead = self._adopting
+        if ahead is None:
+            return False
+        if (position < self._adoptable and len(self.adopted) == position
+                and worker_id == position % self._num_workers and ahead.agrees(position, index)):
+            self.adopted.add(position)
+            return True
+        if position < self._adoptable:  # the rest were drawn from a wrong forecast
+            self._rewind(ahead, position, send)
+        self._adopting = None
+        return False
+
+    def sampler_ended(self, position: int, send: Callable) -> None:
+        """The sampler ended at `position`, before the forecast did (the epoch got shorter):
+        before the next epoch's forecast is sent, undo the draws of the tasks past its end."""
+        if self._adopting is not None and position < self._adoptable:
+            self._rewind(self._adopting, position, send)
+
+    def _rewind(self, ahead: Forecast, position: int, send: Callable) -> None:
+        self._adopting = None
+        for worker_id in range(self._num_workers):
+            send(worker_id, Rewind(-ahead.epoch, position))
+
+    def end_prime(self, events: collections.deque) -> None:
+        """After the prime: the results of the kept batches join the epoch's `events`; those the
+        sampler did not bear out are dropped (their slots go back as their leases die), and their
+        tasks' late results are dropped as a stale epoch's."""
+        taken, early = self._taken, self._taken_early
+        self._taken, self._taken_early, self._adopting = None, {}, None
+        if taken is not None and len(self.adopted) < self._adoptable:
+            self.misses += 1
+        self._adoptable = 0
+        for idx in sorted(self.adopted):
+            if idx in early:
+                worker_id, result = early.pop(idx)
+                events.append((idx, worker_id, result))
+        self.prefetched += len(self.adopted)
+
+    def drop(self) -> None:
+        """The iterator breaks or shuts down: results kept aside are never delivered."""
+        self._early.clear()
+        self._taken_early.clear()
 
 
 def forecast(index_sampler: Any, count: int, *, dataset: Any = None) -> list | None:

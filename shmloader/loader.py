@@ -54,7 +54,7 @@ from .errors import (
 )
 from .interrupts import ctrl_c_held
 from .pool import Poller, WorkerPool
-from .protocol import End, Failed, Fatal, NoRoom, Ready, Resume, Resumed, Rewind, State, Task
+from .protocol import End, Failed, Fatal, NoRoom, Ready, Resume, Resumed, State, Task
 from .ring import Ring, RingStats
 from .scheduler import ACROSS_EPOCHS_WAIT_MIN_SLOT_BYTES, WAIT_MIN_SLOT_BYTES, SlotScheduler
 from .timing import BatchClock, timing_enabled
@@ -502,20 +502,13 @@ class _ShmLoaderIter(_PoolIter):
         self._task_info: dict[int, tuple] = {}
         self._slot_of: dict[int, tuple[int, int]] = {}  # this epoch's idx -> (slot, generation) it came in
         # NOTE [ Cross-epoch prefetch ] in epochs.py
-        self._ahead_on = (self._persistent_workers and getattr(loader, "prefetch_next_epoch", False)
-                          and self._dataset_kind == torch_private.DatasetKind.Map
-                          and not state.is_stateful(self._dataset))
-        self._ahead: epochs.Forecast | None = None  # the next epoch's, while this one ends
-        self._ahead_sent = 0  # of its items sent as tasks (tagged -(epoch))
-        self._adoptable = 0  # during a prime: how many of the last forecast's items were sent
-        self._ahead_tried = False  # this epoch's forecast was made (or could not be)
-        self._early: dict[int, tuple] = {}  # the next epoch's results, in before it began
-        self._adopting: epochs.Forecast | None = None  # the forecast the prime checks, item by item
-        self._adopted: set[int] = set()  # this epoch's batches that were prefetched and kept
+        ahead_on = (self._persistent_workers and getattr(loader, "prefetch_next_epoch", False)
+                    and self._dataset_kind == torch_private.DatasetKind.Map
+                    and not state.is_stateful(self._dataset))
+        self._next_epoch = epochs.NextEpochPrefetch(ahead_on, self._num_workers,
+                                                    self._prefetch_factor * self._num_workers)
         self._resume_sent = 0  # the epoch the workers were last told to Resume
         self._resumed: collections.Counter = collections.Counter()  # Resumed messages per epoch
-        self._prefetched_next_epoch = 0
-        self._forecast_misses = 0
         self._spilled = 0  # NOTE [ Batches that wait for their turn ] in scheduler.py
         pinner = None
         if self._pin_memory:  # torch's base class set this only where an accelerator exists
@@ -526,7 +519,7 @@ class _ShmLoaderIter(_PoolIter):
         self._scheduler = SlotScheduler(
             self._num_workers, self._prefetch_factor, slot_bytes=loader.slot_bytes,
             max_slots=loader.max_ring_slots, max_bytes=getattr(loader, "max_ring_bytes", None), pinner=pinner,
-            wait_min_slot_bytes=ACROSS_EPOCHS_WAIT_MIN_SLOT_BYTES if self._ahead_on else WAIT_MIN_SLOT_BYTES)
+            wait_min_slot_bytes=ACROSS_EPOCHS_WAIT_MIN_SLOT_BYTES if ahead_on else WAIT_MIN_SLOT_BYTES)
         context = loader.multiprocessing_context or torch.multiprocessing
         payload, mode = self._worker_payload(loader)
 
@@ -577,7 +570,7 @@ class _ShmLoaderIter(_PoolIter):
         self._workers_status = [True] * self._num_workers
         self._workers_num_tasks = [0] * self._num_workers
         self._worker_queue_idx_cycle = itertools.cycle(range(self._num_workers))
-        self._adopted = set()
+        self._next_epoch.new_epoch()
         if not first_iter:
             self._events.clear()  # read ahead in the last epoch, never delivered: free their slots
             self._epoch += 1
@@ -595,16 +588,11 @@ class _ShmLoaderIter(_PoolIter):
                     "they are done, or raise timeout=")
                 self._break(error)
                 raise error from None
-        # The last epoch's forecast, taken aside: a short epoch may make the next one's during
-        # this very prime.
-        ahead, self._ahead, self._ahead_tried = self._ahead, None, False
-        self._adopting = ahead if ahead is not None and ahead.epoch == self._epoch else None
-        self._adoptable, self._ahead_sent = self._ahead_sent, 0
-        early, self._early = self._early, {}
+        self._next_epoch.start_prime(self._epoch)  # the last epoch's forecast, to check
         self._resumable.before_prime(self, loader, first_iter)  # resume a loaded state
         for _ in range(self._prefetch_factor * self._num_workers):
             self._try_put_index()
-        self._take_prefetched(ahead, early)
+        self._next_epoch.end_prime(self._events)  # the kept batches' results that are in
 
     def _send_resume(self, epoch: int) -> None:
         """Tell every worker that `epoch` begins (once: maybe before the loop gets to it)."""
@@ -612,21 +600,6 @@ class _ShmLoaderIter(_PoolIter):
             self._resume_sent = epoch
             for worker_id in range(self._num_workers):
                 self._send(worker_id, Resume(epoch))
-
-    def _take_prefetched(self, ahead, early: dict) -> None:
-        """After the prime: the results of the kept prefetched batches join this epoch's; those
-        the sampler did not bear out are dropped (their slots go back as their leases die), and
-        their tasks' late results are dropped as a stale epoch's."""
-        self._adopting = None
-        if ahead is not None and len(self._adopted) < self._adoptable:
-            self._forecast_misses += 1
-        self._adoptable = 0
-        for idx in sorted(self._adopted):
-            if idx in early:
-                worker_id, data = early.pop(idx)
-                self._events.append((idx, worker_id, data))
-        self._prefetched_next_epoch += len(self._adopted)
-        early.clear()
 
     # -- dispatch ----------------------------------------------------------------------------------
 
@@ -641,11 +614,10 @@ class _ShmLoaderIter(_PoolIter):
         try:
             index = self._next_index()
         except StopIteration:
-            if self._adopting is not None and self._send_idx < self._adoptable:
-                # the epoch ended before the forecast did (it got shorter): before the next
-                # epoch's forecast is sent, undo the draws of the tasks past its end
-                self._drop_forecast(self._adopting, self._send_idx)
-            self._prefetch_next_epoch()
+            self._next_epoch.sampler_ended(self._send_idx, self._send)
+            if not self._shutdown:
+                self._next_epoch.send_ahead(self._epoch, self._index_sampler, self._dataset,
+                                            self._tasks_outstanding, self._send_task, self._send_resume)
             return
         for _ in range(self._num_workers):  # the next active worker, as torch picks it
             worker_id = next(self._worker_queue_idx_cycle)
@@ -656,12 +628,8 @@ class _ShmLoaderIter(_PoolIter):
                     break
         else:
             return
-        if self._keeps_prefetched(index, worker_id):
-            self._adopted.add(self._send_idx)  # already in flight: NOTE [ Cross-epoch prefetch ]
-        else:
-            with self._pool.coalesced():  # the task and the grant it gets: one wake-up
-                self._send(worker_id, Task(self._epoch, self._send_idx, index))
-                self._scheduler.task_sent(self._epoch, self._send_idx, worker_id)
+        if not self._next_epoch.keeps(self._send_idx, index, worker_id, self._send):  # in flight already?
+            self._send_task(worker_id, Task(self._epoch, self._send_idx, index))
         self._task_info[self._send_idx] = (worker_id,)
         self._workers_num_tasks[worker_id] += 1
         self._tasks_outstanding += 1
@@ -670,58 +638,17 @@ class _ShmLoaderIter(_PoolIter):
     def _send(self, worker_id: int, message, fds: tuple[int, ...] = ()) -> None:
         self._pool.send(worker_id, message, fds)
 
-    # -- across an epoch's end (NOTE [ Cross-epoch prefetch ] in epochs.py) -----------------------
-
-    def _prefetch_next_epoch(self) -> None:
-        """This epoch's indices are all sent: send the next epoch's forecast first items, one per
-        finished task, so that as many tasks are in flight as torch keeps within an epoch."""
-        if not self._ahead_on or self._shutdown:
-            return
-        count = self._prefetch_factor * self._num_workers
-        if not self._ahead_tried:
-            self._ahead_tried = True
-            self._ahead = epochs.make(self._index_sampler, count, self._epoch + 1, dataset=self._dataset)
-            if self._ahead is not None and len(self._ahead):
-                self._send_resume(self._epoch + 1)  # the workers see it after epoch e's last task
-                torch_private.is_iter_datapipe(self._dataset)  # warm what the next _reset asks
-        ahead = self._ahead
-        if ahead is None or self._ahead_sent >= len(ahead) or self._tasks_outstanding + self._ahead_sent >= count:
-            return
-        position = self._ahead_sent
-        worker_id = position % self._num_workers  # as the next epoch's prime will pick it
-        self._send(worker_id, Task(-ahead.epoch, position, ahead.items[position]))
-        self._scheduler.task_sent(-ahead.epoch, position, worker_id)
-        self._ahead_sent += 1
-
-    def _keeps_prefetched(self, index, worker_id: int) -> bool:
-        """During the prime: whether the task for `index` was sent ahead, to the same worker, with
-        every earlier one kept too (a forecast is kept as a prefix, or not at all from there)."""
-        ahead = self._adopting
-        position = self._send_idx
-        if ahead is None:
-            return False
-        if (position < self._adoptable and len(self._adopted) == position
-                and worker_id == position % self._num_workers and ahead.agrees(position, index)):
-            return True
-        if position < self._adoptable:  # the rest were drawn from a wrong forecast
-            self._drop_forecast(ahead, position)
-        self._adopting = None
-        return False
-
-    def _drop_forecast(self, ahead, position: int) -> None:
-        """The forecast's tasks from `position` on are not kept: the workers undo their RNG draws."""
-        self._adopting = None
-        for worker in range(self._num_workers):
-            self._send(worker, Rewind(-ahead.epoch, position))
+    def _send_task(self, worker_id: int, task: Task) -> None:
+        with self._pool.coalesced():  # the task and the grant it gets: one wake-up
+            self._send(worker_id, task)
+            self._scheduler.task_sent(task.epoch, task.idx, worker_id)
 
     def _result_of(self, epoch: int, idx: int) -> str:
         """'now' for a result of this epoch, 'early' for one of the next epoch's prefetched tasks
         (kept aside until it begins), 'stale' for one of an earlier epoch or a forecast not kept."""
-        if epoch == self._epoch or (epoch == -self._epoch and idx in self._adopted):
+        if epoch == self._epoch:
             return "now"
-        if self._ahead is not None and epoch == -self._ahead.epoch:
-            return "early"
-        return "stale"
+        return self._next_epoch.result_of(self._epoch, epoch, idx)  # NOTE [ Cross-epoch prefetch ]
 
     # -- the next batch ------------------------------------------------------------------------------
 
@@ -915,7 +842,7 @@ class _ShmLoaderIter(_PoolIter):
             if where == "now":
                 self._slot_of[message.idx] = (message.slot, message.generation)
             if where == "early":
-                self._early[message.idx] = (worker_id, batch)
+                self._next_epoch.keep_early(message.idx, worker_id, batch)
                 return None
             return None if where == "stale" else (message.idx, worker_id, batch)  # a batch may be None
         if kind is NoRoom:  # NOTE [ No room for a worker's first slot ] in worker.py
@@ -942,7 +869,7 @@ class _ShmLoaderIter(_PoolIter):
                 return message.idx, worker_id, _END
             failure = _Failure(worker_id, self._workers[worker_id].pid, message.idx, message.stage, message.payload)
             if where == "early":
-                self._early[message.idx] = (worker_id, failure)
+                self._next_epoch.keep_early(message.idx, worker_id, failure)
                 return None
             return message.idx, worker_id, failure
         raise SlotProtocolError(f"unexpected message {message!r:.200} from worker {worker_id}")
@@ -962,8 +889,8 @@ class _ShmLoaderIter(_PoolIter):
             in_place_bytes=self._scheduler.in_place_bytes,
             control_bytes=pool.control_bytes if pool is not None else 0,
             control_messages=pool.control_messages if pool is not None else 0,
-            timing=self._timing_stats(), prefetched_next_epoch=self._prefetched_next_epoch,
-            forecast_misses=self._forecast_misses, spilled_batches=self._spilled,
+            timing=self._timing_stats(), prefetched_next_epoch=self._next_epoch.prefetched,
+            forecast_misses=self._next_epoch.misses, spilled_batches=self._spilled,
             overflow_slots=ring_stats.overflow_slots,
         )
 
@@ -978,4 +905,4 @@ class _ShmLoaderIter(_PoolIter):
         self._task_info = {}  # batches buffered for reordering: never delivered, unmap them
         self._slot_of = {}
         self._events.clear()
-        self._early.clear()
+        self._next_epoch.drop()
