@@ -5,6 +5,8 @@ costs time, never a wrong batch."""
 
 from __future__ import annotations
 
+import collections
+import itertools
 import os
 import random
 
@@ -14,6 +16,8 @@ import torch
 from torch.utils.data import BatchSampler, DataLoader, Dataset, DistributedSampler, RandomSampler
 
 from shmloader import ShmDataLoader
+from shmloader.epochs import NextEpochPrefetch
+from shmloader.protocol import Rewind
 
 from . import _datasets as ds
 from ._helpers import assert_same_batches
@@ -316,3 +320,90 @@ def test_prefetch_next_epoch_without_persistent_workers_is_a_clear_error(num_wor
     with pytest.raises(ValueError, match=rf"needs persistent_workers=True.*persistent_workers=False, "
                                          rf"num_workers={num_workers}"):
         ShmDataLoader(list(range(8)), batch_size=2, num_workers=num_workers, prefetch_next_epoch=True)
+
+
+# -- NextEpochPrefetch alone: the iterator's side of the forecast, with a recording send ------------
+
+
+
+class _Sent:
+    """Records what NextEpochPrefetch sends: tasks and resumes, and the workers' messages."""
+
+    def __init__(self):
+        self.tasks, self.resumes, self.messages = [], [], []
+
+    def task(self, worker_id, task):
+        self.tasks.append((worker_id, task))
+
+    def resume(self, epoch):
+        self.resumes.append(epoch)
+
+    def message(self, worker_id, message):
+        self.messages.append((worker_id, message))
+
+
+def _sent_ahead(workers=2, count=4, batches=6, seed=3):
+    """Epoch 1 of a shuffled batch sampler has ended: the forecast of epoch 2 is sent ahead."""
+    sampler = BatchSampler(RandomSampler(range(batches * 2), generator=torch.Generator().manual_seed(seed)), 2, False)
+    prefetch, sent = NextEpochPrefetch(True, workers, count), _Sent()
+    for outstanding in range(count, -1, -1):  # one more each time a task of epoch 1 finishes
+        prefetch.send_ahead(1, sampler, None, outstanding, sent.task, sent.resume)
+    return sampler, prefetch, sent
+
+
+def test_the_forecast_goes_out_as_tasks_finish_to_the_workers_the_prime_picks():
+    sampler, prefetch, sent = _sent_ahead(workers=2, count=4)
+    assert sent.resumes == [2]
+    assert [w for w, _ in sent.tasks] == [0, 1, 0, 1]
+    assert [(t.epoch, t.idx) for _, t in sent.tasks] == [(-2, 0), (-2, 1), (-2, 2), (-2, 3)]
+    assert [t.indices for _, t in sent.tasks] == list(itertools.islice(iter(sampler), 4))
+    assert prefetch.result_of(1, -2, 3) == "early" and prefetch.result_of(1, -3, 0) == "stale"
+
+
+def test_the_prime_keeps_the_borne_out_prefix_and_rewinds_the_rest():
+    sampler, prefetch, sent = _sent_ahead(workers=2, count=4)
+    prefetch.keep_early(0, 0, "batch 0")
+    prefetch.keep_early(2, 0, "batch 2")
+    prefetch.new_epoch()
+    prefetch.start_prime(2)
+    real = list(itertools.islice(iter(sampler), 4))
+    real[2] = [99, 98]  # the sampler differs from position 2 on
+    kept = [prefetch.keeps(i, item, i % 2, sent.message) for i, item in enumerate(real)]
+    assert kept == [True, True, False, False]
+    assert sent.messages == [(0, Rewind(-2, 2)), (1, Rewind(-2, 2))]  # once, to every worker
+    events = collections.deque()
+    prefetch.end_prime(events)
+    assert list(events) == [(0, 0, "batch 0")]  # batch 2 was not kept: dropped
+    assert prefetch.adopted == {0, 1} and prefetch.prefetched == 2 and prefetch.misses == 1
+    assert prefetch.result_of(2, -2, 1) == "now" and prefetch.result_of(2, -2, 2) == "stale"
+
+
+def test_a_task_sent_to_another_worker_than_forecast_is_not_kept():
+    sampler, prefetch, sent = _sent_ahead(workers=2, count=4)
+    prefetch.new_epoch()
+    prefetch.start_prime(2)
+    first = next(iter(sampler))
+    assert not prefetch.keeps(0, first, 1, sent.message)
+    assert sent.messages == [(0, Rewind(-2, 0)), (1, Rewind(-2, 0))]
+
+
+def test_an_epoch_that_ends_inside_the_forecast_rewinds_past_its_end():
+    sampler, prefetch, sent = _sent_ahead(workers=2, count=4)
+    prefetch.new_epoch()
+    prefetch.start_prime(2)
+    real = list(itertools.islice(iter(sampler), 2))
+    assert all(prefetch.keeps(i, item, i % 2, sent.message) for i, item in enumerate(real))
+    prefetch.sampler_ended(2, sent.message)
+    assert sent.messages == [(0, Rewind(-2, 2)), (1, Rewind(-2, 2))]
+    prefetch.end_prime(collections.deque())
+    assert prefetch.misses == 1 and prefetch.prefetched == 2
+
+
+def test_turned_off_it_sends_nothing_and_keeps_nothing():
+    sampler = BatchSampler(RandomSampler(range(8), generator=torch.Generator().manual_seed(0)), 2, False)
+    prefetch, sent = NextEpochPrefetch(False, 2, 4), _Sent()
+    prefetch.send_ahead(1, sampler, None, 0, sent.task, sent.resume)
+    prefetch.new_epoch()
+    prefetch.start_prime(2)
+    assert not prefetch.keeps(0, next(iter(sampler)), 0, sent.message)
+    assert sent.tasks == sent.resumes == sent.messages == []
