@@ -325,7 +325,6 @@ def test_prefetch_next_epoch_without_persistent_workers_is_a_clear_error(num_wor
 # -- NextEpochPrefetch alone: the iterator's side of the forecast, with a recording send ------------
 
 
-
 class _Sent:
     """Records what NextEpochPrefetch sends: tasks and resumes, and the workers' messages."""
 
