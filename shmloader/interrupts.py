@@ -13,6 +13,17 @@ NOTE [ Ctrl-C held ]
   none is on the per-batch path, where swapping the handler twice (about 5 us) would cost
   more than it is worth; there a KeyboardInterrupt leaves objects that close their fds when
   collected.  A worker forked inside a block gets the handler the block replaced.
+
+  Inside a finalizer (an iterator dropped mid-epoch, whose __del__ stops its workers), Python
+  prints and drops any exception, a KeyboardInterrupt too: raised there, the held Ctrl-C would
+  be lost and the program would go on as if it had never come (a loop that makes loaders ran
+  on until killed).  So a block reached from a `__del__` frame raises it later instead: it puts
+  a relay handler in place of the handler, and a watcher thread sends SIGINT to the main thread
+  once no `__del__` frame is on its stack; the relay puts the handler back and runs it there, in
+  the code the finalizer returned to (or lets it pass if a `__del__` came meanwhile, and the
+  watcher sends it again).  A thread, not a second signal from the relay itself: a signal raised
+  in the main thread is handled at its next bytecode check, which would be inside the relay or
+  the finalizer again.
 """
 
 from __future__ import annotations
@@ -22,6 +33,7 @@ import os
 import signal
 import sys
 import threading
+import time
 
 
 @contextlib.contextmanager
@@ -36,8 +48,8 @@ def ctrl_c_held():
     if not callable(handler):  # ignored, or not Python's to handle
         yield
         return
-    came: list = []
-    signal.signal(signal.SIGINT, lambda signum, frame: came.append(frame))
+    held = _Held()
+    signal.signal(signal.SIGINT, held)
     _replaced.append(handler)
     try:
         yield
@@ -45,8 +57,66 @@ def ctrl_c_held():
         if _replaced:  # emptied in a process forked meanwhile
             _replaced.pop()
         signal.signal(signal.SIGINT, handler)
-        if came:
-            handler(signal.SIGINT, came[0])
+        if held.frames:
+            if not isinstance(handler, _Held) and _in_finalizer(sys._getframe()):
+                _raise_after_finalizer(handler)
+            else:
+                handler(signal.SIGINT, held.frames[0])  # raised, or handed to the outer block
+
+
+class _Held:
+    """The SIGINT handler of a block: notes the Ctrl-C."""
+
+    def __init__(self) -> None:
+        self.frames: list = []
+
+    def __call__(self, signum, frame) -> None:
+        self.frames.append(frame)
+
+
+def _in_finalizer(frame) -> bool:
+    """Whether `frame` runs inside a `__del__` (where Python drops what is raised)."""
+    while frame is not None:
+        if frame.f_code.co_name == "__del__":
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _raise_after_finalizer(handler) -> None:
+    """Run `handler` for a held SIGINT once no `__del__` is on the main thread's stack (NOTE
+    [ Ctrl-C held ]): a watcher thread sends SIGINT to the main thread when its stack has none,
+    and a relay handler runs `handler` there, or waits for the next one if a `__del__` came."""
+    main = threading.main_thread()
+    delivered = threading.Event()
+
+    def relay(signum, frame) -> None:
+        if _in_finalizer(frame):
+            return  # the watcher sends it again
+        delivered.set()
+        if signal.getsignal(signal.SIGINT) is relay:
+            signal.signal(signal.SIGINT, handler)
+        handler(signum, frame)
+
+    def watch() -> None:
+        while not delivered.is_set():
+            frame = sys._current_frames().get(main.ident)
+            if frame is None:  # the main thread is gone
+                return
+            if _in_finalizer(frame):
+                del frame
+                time.sleep(RELAY_POLL_SECONDS)
+                continue
+            del frame
+            signal.pthread_kill(main.ident, signal.SIGINT)
+            delivered.wait(RELAY_RETRY_SECONDS)
+
+    signal.signal(signal.SIGINT, relay)
+    threading.Thread(target=watch, name="shmloader-ctrl-c-relay", daemon=True).start()
+
+
+RELAY_POLL_SECONDS = 0.001  # how often the watcher looks at the main thread's stack
+RELAY_RETRY_SECONDS = 0.05  # after a SIGINT the relay did not take (a __del__ had come)
 
 
 _replaced: list = []  # the handlers of the blocks under way, outermost first

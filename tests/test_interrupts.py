@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 
 import pytest
 
@@ -156,3 +157,43 @@ def test_spare_makers_count_takes_no_lock():
     reader.join(10)
     maker.close()
     assert answered_while_held == [0], "pending() waited for the spare maker's lock"
+
+
+@pytest.mark.parametrize("mode", ["default", "sample_parallel"])
+def test_a_ctrl_c_while_a_dropped_iterator_stops_its_workers_is_raised_after_its_del(mode, monkeypatch):
+    """An iterator dropped mid-epoch stops its workers in its __del__, where Python prints and
+    drops any exception: a Ctrl-C held through that shutdown was lost there, and a loop that
+    makes a loader, takes a batch and moves on ran on after Ctrl-C until it was killed. Now the
+    KeyboardInterrupt comes in the code the finalizer returned to."""
+    calls = _interrupt_first_call(monkeypatch, CrashLog, "close")
+    it = iter(_loader(sample_parallel=mode == "sample_parallel"))
+    next(it)
+    start = time.monotonic()
+    try:
+        del it  # its __del__ stops the workers; the Ctrl-C comes in the middle
+        time.sleep(5)  # the held Ctrl-C is raised here, in the code the finalizer returned to
+    except KeyboardInterrupt:
+        pass
+    else:
+        pytest.fail("the Ctrl-C that came during the dropped iterator's shutdown was lost")
+    assert calls, "CrashLog.close was never called: the test no longer reaches the shutdown"
+    assert time.monotonic() - start < 4, "the Ctrl-C came only after the sleep"
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_a_ctrl_c_held_in_a_del_is_raised_once_no_del_is_on_the_stack():
+    class Dropped:
+        def __del__(self):
+            with ctrl_c_held():
+                os.kill(os.getpid(), signal.SIGINT)
+            self.after_the_block()  # still inside the finalizer: not here
+
+        def after_the_block(self):
+            for _ in range(100):
+                pass
+
+    dropped = Dropped()
+    with pytest.raises(KeyboardInterrupt):
+        del dropped
+        time.sleep(5)
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
