@@ -33,9 +33,11 @@ An error that shuts the iterator down leaves it broken: NOTE [ Shutdown ] in poo
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import itertools
 import os
+import threading
 import time
 import weakref
 from dataclasses import dataclass
@@ -224,7 +226,11 @@ class ShmDataLoader(DataLoader[_T_co]):
         if getattr(self._iterator, "_owner_pid", os.getpid()) != os.getpid():
             self._iterator.disown()  # the parent's (NOTE [ A process forked by the user ])
             self._iterator = None
-        return state.start_epoch(self, super().__iter__)  # NOTE [ Resuming mid-epoch ] in state.py
+        current = self._iterator
+        if isinstance(current, _PoolIter):  # a persistent iterator, reset here: not while in use
+            with current.in_one_thread("iter(loader)"):
+                return state.start_epoch(self, super().__iter__)  # NOTE [ Resuming mid-epoch ] in state.py
+        return state.start_epoch(self, super().__iter__)
 
     def _get_iterator(self):
         if self.num_workers == 0:
@@ -359,6 +365,36 @@ class _PoolIter(torch_private.BaseDataLoaderIter):
         self._epoch = 0
         self._loader_ref = weakref.ref(loader)
         self._owner_pid = os.getpid()  # NOTE [ A process forked by the user ]
+        self._in_use = threading.Lock()  # held through next() and a persistent iter(): in_one_thread
+
+    def __next__(self):
+        if not self._in_use.acquire(blocking=False):
+            raise self._used_by_two_threads("next()")
+        try:
+            return self._next_in_turn()
+        finally:
+            self._in_use.release()
+
+    def _next_in_turn(self):
+        return super().__next__()
+
+    @contextlib.contextmanager
+    def in_one_thread(self, call: str):
+        """Around `call` (an iter() that resets this persistent iterator): a RuntimeError, not a
+        corrupt state or a hang, where another thread is inside next() or iter() meanwhile."""
+        if not self._in_use.acquire(blocking=False):
+            raise self._used_by_two_threads(call)
+        try:
+            yield
+        finally:
+            self._in_use.release()
+
+    def _used_by_two_threads(self, call: str) -> RuntimeError:
+        return RuntimeError(
+            f"{call} on a ShmDataLoader iterator while another thread is inside next() or iter() of "
+            "the same iterator (with persistent_workers=True every iter(loader) returns that one "
+            "iterator): a loader's iterator is not thread-safe, in torch's DataLoader either; "
+            "give each thread its own loader, or take the batches in one thread and hand them on")
 
     def _failure_note(self, failure: _Failure) -> str:
         """What a worker's error may owe to the training loop: /dev/shm full while the loop holds
@@ -652,7 +688,7 @@ class _ShmLoaderIter(_PoolIter):
 
     # -- the next batch ------------------------------------------------------------------------------
 
-    def __next__(self):
+    def _next_in_turn(self):
         # a pending fast-forward, the epoch's end; then torch's steps (torch_private.next_batch)
         return self._resumable.next(self, self._next_batch)
 

@@ -582,3 +582,27 @@ def test_a_sampler_that_raises_mid_epoch_goes_on_in_sample_parallel():
     assert got.count("IndexError") == 1 and got[-1] == "StopIteration"
     values = [v for v in got if isinstance(v, int)]
     assert values == sorted(values) and set(values) <= set(range(0, 28, 4)) and len(values) >= 5
+
+
+@pytest.mark.parametrize("sample_parallel", [False, True], ids=["default", "sample_parallel"])
+def test_one_iterator_used_by_two_threads_at_once_is_a_clear_error_not_a_hang(sample_parallel):
+    """A persistent loader's iterator (iter(loader) returns that one iterator) driven by two
+    threads at once used to corrupt its state: one thread hung in a worker's socket, or a worker
+    was reported dead. Not thread-safe in torch either; now the second caller gets a
+    RuntimeError that says so, and the first goes on undisturbed."""
+    loader = ShmDataLoader(ds.SlowDataset(n=4, slow=0, seconds=0.5), batch_size=2, num_workers=2,
+                           persistent_workers=True, sample_parallel=sample_parallel)
+    it = iter(loader)
+    got: list = []
+    taker = threading.Thread(target=lambda: got.append(next(it)))
+    taker.start()
+    deadline = time.monotonic() + 5
+    while not it._in_use.locked() and time.monotonic() < deadline:  # the thread is inside next()
+        time.sleep(0.001)
+    with pytest.raises(RuntimeError, match="another thread is inside next"):
+        next(it)
+    with pytest.raises(RuntimeError, match="not thread-safe"):
+        iter(loader)
+    taker.join(10)
+    assert not taker.is_alive() and len(got) == 1
+    assert_same_batches(got + list(it), list(DataLoader(ds.SlowDataset(n=4, slow=0, seconds=0), batch_size=2)))
