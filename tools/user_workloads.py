@@ -4,7 +4,8 @@
 Not the bench's workloads (bench/workloads.py) but a check that the speed and memory hold on
 others: images in a dict with their labels, 3-D volumes with the default collate and with
 `np.stack`, audio clips of varying length padded by a numpy collate_fn, speech features padded
-by torch's `pad_sequence`, and a feature matrix of (vector, label) pairs. Each sample is a fresh copy of an array from a small pool, as a decoder's
+by torch's `pad_sequence`, a feature matrix of (vector, label) pairs, and images in batches whose
+size varies from 8 to 128 (`images-buckets`, a size-bucketing batch sampler). Each sample is a fresh copy of an array from a small pool, as a decoder's
 output is; the consumer reads every byte (a sum: in float64 for numpy arrays, in the tensor's
 own accumulation type for torch tensors, since torch's float64 sum of a 16 MiB float32 tensor
 leaves about 150 MB in its threads' malloc arenas, which would be counted as the loader's memory,
@@ -152,6 +153,24 @@ class Features(Dataset):
         return self.pool[i % 64].copy(), np.int64(i)
 
 
+class SizeBuckets:
+    """A batch sampler of batches whose sizes cycle through BUCKET_SIZES, as a sampler that groups
+    samples by size (tokens, resolution) yields them: consecutive indices, endless."""
+
+    def __iter__(self):
+        start = 0
+        for k in range(1 << 20):
+            size = BUCKET_SIZES[k % len(BUCKET_SIZES)]
+            yield list(range(start, start + size))
+            start += size
+
+    def __len__(self):
+        return 1 << 20
+
+
+BUCKET_SIZES = (8, 64, 16, 128, 32)
+
+
 def pad_collate(clips):
     """Pad to the longest clip, as audio pipelines do: (padded batch, lengths)."""
     out = np.zeros((len(clips), max(len(c) for c in clips)), np.float32)
@@ -178,6 +197,7 @@ WORKLOADS = {
     "clips-pad": (Clips, dict(batch_size=32, num_workers=2, collate_fn=pad_collate)),
     "speech-pad": (Speech, dict(batch_size=32, num_workers=2, collate_fn=pad_speech)),
     "features": (Features, dict(batch_size=1024, num_workers=2)),
+    "images-buckets": (Images, dict(batch_sampler=SizeBuckets(), num_workers=4)),
 }
 
 
