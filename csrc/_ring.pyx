@@ -22,7 +22,7 @@ from ring cimport (
     PyDataMem_SetHandler, SHM_STREAM_MIN_BYTES, shm_copy, SHM_ARENA_ALIGN, _import_array, shm_arena, shm_arena_handler,
     shm_arena_open, shm_arena_unlink_and_free, shm_arenas,
     SHM_HEADER_BYTES, SHM_LEAF_ALIGN, SHM_SLOT_FREE, SHM_SLOT_LEASED, SHM_SLOT_MAGIC,
-    SHM_SLOT_READY, SHM_SLOT_VERSION, SHM_SLOT_WRITING, shm_discard, shm_map, shm_reserve,
+    SHM_SLOT_READY, SHM_SLOT_VERSION, SHM_SLOT_WRITING, shm_discard, shm_map, shm_populate, shm_reserve,
     shm_slot_header,
     shm_unmap, slot_acquire, slot_claim, slot_init, slot_publish, slot_release, slot_state,
 )
@@ -262,6 +262,19 @@ cdef class Segment:
         cdef int rc = shm_discard(self._base, offset, self._size - offset)
         if rc != 0:
             raise OSError(rc, f"discarding bytes {offset} to {self._size} of a slot segment: {os.strerror(rc)}")
+
+    def populate_from(self, uint64_t offset):
+        """Take back from /dev/shm the pages from `offset` (page-aligned) to the end, given back
+        by discard_from, before writing there: OSError(EFAULT) where /dev/shm has no room for
+        them, OSError(EINVAL) on a kernel without MADV_POPULATE_WRITE (Linux < 5.14)
+        (NOTE [ A slot's pages follow its batch ] in shmloader/ring.py)."""
+        self._check_range(offset, self._size - offset if offset <= self._size else 1)
+        cdef int rc
+        cdef uint64_t nbytes = self._size - offset
+        with nogil:
+            rc = shm_populate(self._base, offset, nbytes)
+        if rc != 0:
+            raise OSError(rc, f"reserving bytes {offset} to {self._size} of a slot segment: {os.strerror(rc)}")
 
     def close_fd(self):
         """Close the fd (after it has been passed on); the mapping stays until deallocation."""

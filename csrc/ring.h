@@ -86,6 +86,22 @@ static inline int shm_discard(void *base, uint64_t offset, uint64_t bytes) {
     return madvise((char *)base + offset, (size_t)bytes, MADV_REMOVE) == 0 ? 0 : errno;
 }
 
+#ifndef MADV_POPULATE_WRITE
+#define MADV_POPULATE_WRITE 23 /* Linux >= 5.14; older kernels answer EINVAL */
+#endif
+
+/* Allocate and map writable the pages of [offset, offset + bytes) of a segment whose pages were
+ * given back (shm_discard), so that a full /dev/shm is an error here (EFAULT: the write would
+ * have raised SIGBUS) and not a SIGBUS in the middle of a batch.  `offset` page-aligned.
+ * Returns 0 or an errno value (EINVAL: the kernel has no MADV_POPULATE_WRITE). */
+static inline int shm_populate(void *base, uint64_t offset, uint64_t bytes) {
+    int rc;
+    do {
+        rc = madvise((char *)base + offset, (size_t)bytes, MADV_POPULATE_WRITE) == 0 ? 0 : errno;
+    } while (rc == EINTR);
+    return rc;
+}
+
 static inline void slot_init(shm_slot_header *h, uint64_t capacity, uint64_t generation) {
     memset(h, 0, sizeof(*h));
     h->magic = SHM_SLOT_MAGIC;

@@ -29,6 +29,7 @@ cdef extern from "ring.h" nogil:
     void *shm_map(int fd, uint64_t nbytes, int populate) noexcept
     int shm_unmap(void *base, uint64_t nbytes) noexcept
     int shm_discard(void *base, uint64_t offset, uint64_t nbytes) noexcept
+    int shm_populate(void *base, uint64_t offset, uint64_t nbytes) noexcept
     void slot_init(shm_slot_header *h, uint64_t capacity, uint64_t generation) noexcept
     uint32_t slot_state(const shm_slot_header *h) noexcept
     uint32_t slot_claim(shm_slot_header *h, int64_t writer, uint64_t sequence) noexcept

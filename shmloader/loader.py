@@ -102,7 +102,9 @@ class LoaderStats:
     waited for their turn, because the loop waited for an earlier one that could get no slot
     (NOTE [ Batches that wait for their turn ] in scheduler.py); overflow_slots: slots made
     outside /dev/shm because it was full of batches the loop holds (NOTE [ Overflow slots ] in
-    ring.py); timing: where the time goes and the verdict (diagnosis.py;
+    ring.py); pages_given_back: batches past whose end their slot gave the rest of its pages back
+    to /dev/shm, batch sizes varying widely (NOTE [ A slot's pages follow its batch ] in ring.py);
+    timing: where the time goes and the verdict (diagnosis.py;
     None with SHMLOADER_TIMING=0 or sample_parallel=True, `timing_off` says which).  After an epoch (workers stopped, ring closed), the epoch's
     figures, ring_bytes as the epoch left it, but held_segments, held_bytes, reserved_bytes and
     in_use_bytes as they are now: only the batches still held reserve memory then.  print() it
@@ -128,6 +130,7 @@ class LoaderStats:
     slot_shrinks: int = 0
     spilled_batches: int = 0
     overflow_slots: int = 0
+    pages_given_back: int = 0  # batches past whose end their slot gave its pages back
     timing_off: str = ""  # why timing is None: "SHMLOADER_TIMING=0", or the mode that has none
 
     @property
@@ -556,6 +559,7 @@ class _ShmLoaderIter(_PoolIter):
             self._num_workers, self._prefetch_factor, slot_bytes=loader.slot_bytes,
             max_slots=loader.max_ring_slots, max_bytes=getattr(loader, "max_ring_bytes", None), pinner=pinner,
             wait_min_slot_bytes=ACROSS_EPOCHS_WAIT_MIN_SLOT_BYTES if ahead_on else WAIT_MIN_SLOT_BYTES)
+        self._scheduler.ring.trims_allowed = True  # one writer per slot (NOTE [ A slot's pages follow its batch ] in ring.py)
         context = loader.multiprocessing_context or torch.multiprocessing
         payload, mode = self._worker_payload(loader)
 
@@ -927,7 +931,7 @@ class _ShmLoaderIter(_PoolIter):
             control_messages=pool.control_messages if pool is not None else 0,
             timing=self._timing_stats(), prefetched_next_epoch=self._next_epoch.prefetched,
             forecast_misses=self._next_epoch.misses, spilled_batches=self._spilled,
-            overflow_slots=ring_stats.overflow_slots,
+            overflow_slots=ring_stats.overflow_slots, pages_given_back=ring_stats.pages_given_back,
         )
 
     def _timing_stats(self) -> diagnosis.LoaderTiming | None:

@@ -9,7 +9,8 @@ version (a spawned interpreter that imports another shmloader) refuses to start,
     main ─▶ worker                               worker ─▶ main
     Hello(version, status bytes) + 2 fds         Ready(epoch, idx, slot, generation, capacity,
     Task(epoch, idx, indices)                          in-place bytes) [+ fd of a new segment]
-    Grant(slot, generation, capacity, hint)      Failed(epoch, idx, stage, exception payload)
+    Grant(slot, generation, capacity, hint,      Failed(epoch, idx, stage, exception payload)
+          unreserved_from, trim)
           [+ fd the first time it sees it]       End(epoch, idx)           an iterable ran out
     Forget(slot, generation)                     State(epoch, idx, dataset state)
     Resume(epoch)                                Resumed(epoch)
@@ -43,7 +44,7 @@ from . import _ring
 from .errors import SlotProtocolError
 from .timing import MAX_STAGES, STATUS_BLOCK_BYTES
 
-PROTOCOL_VERSION = 5  # 1: positional tuples (shmloader <= 0.x); 2: typed messages; 3: rows in place; 4: Kept rows' bytes; 5: NoRoom
+PROTOCOL_VERSION = 6  # 1: positional tuples (shmloader <= 0.x); 2: typed messages; 3: rows in place; 4: Kept rows' bytes; 5: NoRoom; 6: Grant's pages
 
 
 # -- main process -> worker ----------------------------------------------------------------------
@@ -65,11 +66,16 @@ class Task(NamedTuple):
 
 class Grant(NamedTuple):
     """Slot `slot` is this worker's to write one batch into (NOTE [ Slot grants ] in
-    scheduler.py); capacity 0: no segment yet, make one (`hint`: the ring's learnt size)."""
+    scheduler.py); capacity 0: no segment yet, make one (`hint`: the ring's learnt size).
+    `unreserved_from` > 0: the segment's pages from there on were given back, take them back
+    before writing; `trim`: give back the pages past the batch once it is written (NOTE [ A
+    slot's pages follow its batch ] in ring.py)."""
     slot: int
     generation: int
     capacity: int
     hint: int
+    unreserved_from: int = 0
+    trim: bool = False
 
 
 class Forget(NamedTuple):

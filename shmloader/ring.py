@@ -35,6 +35,24 @@ NOTE [ Held batches ]
   segment: so small leaves are delivered as copies that hold no slot (NOTE [ Small leaves are
   copies ] in layout.py), and a kept label tensor costs its bytes.
 
+NOTE [ A slot's pages follow its batch ]
+  A slot is sized for the largest recent batch and its pages are reserved whole, so where batch
+  sizes vary widely (a batch sampler that buckets samples by size: batches of 8 to 128 images)
+  every slot in flight held the largest batch's pages, where torch's segments hold each batch's
+  own: 1.3x torch's peak memory, and up to 1.9x.  So while the recent batches fill on average
+  less than FITTED_BELOW of a slot (`_sizes_vary`), a grant lets its writer give back the pages
+  past its batch once the batch is written (`Grant.trim`, `segment.trimmed_end`: at least
+  TRIM_MIN_BYTES and a quarter of the slot, so equal batches and a grown slot's headroom never
+  pay), and the main process, reading the same end in the header when it leases the slot, notes
+  where the slot's pages end.  The slot's next grant says so (`Grant.unreserved_from`), and its
+  writer takes those pages back (MADV_POPULATE_WRITE) before anything is written there, so a
+  full /dev/shm is a ShmCapacityError for that batch, never a SIGBUS.  A ready or leased slot
+  then holds its batch's pages only; a slot being written holds the whole slot, as before.
+  Never for a segment page-locked for CUDA (the driver holds its pages: a hole punched under
+  them would part the GPU's copy from the file), nor outside /dev/shm, nor in the
+  sample-parallel mode (many writers share one slot), nor on a kernel without
+  MADV_POPULATE_WRITE (Linux < 5.14), nor with SHMLOADER_TRIM_SLOTS=0.
+
 NOTE [ Held batches of varying size ]
   A slot is sized for the largest recent batch, so where batch sizes vary (dynamic padding) a
   segment remade for a detached slot at the slot's size reserves and zero-fills the part its
@@ -132,7 +150,7 @@ from .errors import RingFullError, ShmCapacityError, ShmCapacityWarning, SlotPro
 from .errors import _fmt_bytes as fmt_bytes
 from .interrupts import ctrl_c_held
 from .ownership import forking_a_worker, register_parent_only
-from .segment import MIN_HEADROOM, create_segment, page_round
+from .segment import MIN_HEADROOM, create_segment, page_round, trimmed_end
 from .spares import SpareMaker
 
 CONSUMER_SLOTS = 2
@@ -143,6 +161,8 @@ SHRINK_ABOVE = 2
 SPARES_MADE_WAIT_SECONDS = 2.0  # _check_fits: at most this for spares being made
 MIN_FITTED_SLOTS = 2  # NOTE [ A ring fitted to /dev/shm ]: the least room a ring runs in without overflow
 FITTED_BELOW = 0.8  # NOTE [ Held batches of varying size ]: the mean fill of a slot that sizes its batches
+TRIM_SLOTS = os.environ.get("SHMLOADER_TRIM_SLOTS", "1") != "0"  # NOTE [ A slot's pages follow its batch ]
+_populate_works: bool | None = None  # MADV_POPULATE_WRITE, found out once (Linux >= 5.14)
 
 # The main process's view of a slot (the header's state word has WRITING/READY in between).
 _FREE, _DISPATCHED, _LEASED = "free", "granted", "leased"
@@ -157,6 +177,18 @@ def _keep_only_the_batch(segment: _ring.Segment, payload_end: int) -> int:
         return segment.size
     segment.discard_from(kept)
     return kept
+
+
+def _populate_supported(segment: _ring.Segment) -> bool:
+    """Whether this kernel has MADV_POPULATE_WRITE (asked once, with an empty range)."""
+    global _populate_works
+    if _populate_works is None:
+        try:
+            segment.populate_from(segment.size)
+            _populate_works = True
+        except OSError:
+            _populate_works = False
+    return _populate_works
 
 
 def _user_stacklevel() -> int:
@@ -183,6 +215,7 @@ class RingStats:
     made_ahead: int  # segments made by the spare thread and installed (NOTE [ Spare segments ])
     slot_shrinks: int = 0  # free slots dropped as the slot size shrank (NOTE [ Slot size follows ... ])
     overflow_slots: int = 0  # slots made outside /dev/shm so far (NOTE [ Overflow slots ])
+    pages_given_back: int = 0  # batches past whose end their slot gave its pages back (NOTE [ A slot's pages ... ])
 
     @property
     def reserved_bytes(self) -> int:
@@ -234,6 +267,12 @@ class Ring:
         self._retired: list[tuple[int, int]] = []  # (slot, generation) no process should map now
         self._detached = 0
         self._fitted: set[int] = set()  # slots remade at their batch's size (NOTE [ Held batches of varying size ])
+        # NOTE [ A slot's pages follow its batch ]: where a slot's pages end now (absent: its whole
+        # segment), the generation last granted with leave to trim, and whether trims may be granted
+        self._pages_end: dict[int, int] = {}
+        self._trim_granted: dict[int, int] = {}
+        self.trims_allowed = False  # the default mode's iterator allows them (one writer per slot)
+        self._trimmed = 0
         self._leases = 0  # batches leased so far
         self._detached_at = None  # self._leases at the latest detach, None before any
         self._slot_grows = 0
@@ -380,6 +419,7 @@ class Ring:
         segment = shm_segment.create_overflow_segment(size, self._generations[slot],
                                                       f"slot {slot} of the ring")
         self._segments[slot] = segment
+        self._new_segment_in(slot)
         held = self.held() + len(self._held_segments)
         self._note_overflow(segment, f"has no room for another ring slot (the training loop holds "
                                      f"{held} batch{'es' if held != 1 else ''})",
@@ -507,6 +547,7 @@ class Ring:
             if spare is not None:
                 spare.init_header(self._generations[chosen])
                 self._segments[chosen] = spare
+                self._new_segment_in(chosen)
                 self._made_ahead += 1
         self._free.remove(chosen)
         self._states[chosen] = _DISPATCHED
@@ -547,6 +588,26 @@ class Ring:
     def drain_spare_wakeups(self) -> None:
         self._spares.drain_wakeups()
 
+    def grant_terms(self, slot: int) -> tuple[int, bool]:
+        """For a grant of `slot` (after any page-locking): where its writer must take its pages back
+        from (0: none given back), and whether it may give back those past its batch (NOTE [ A
+        slot's pages follow its batch ])."""
+        segment = self._segments[slot]
+        if segment is None:
+            return 0, False
+        trim = (self.trims_allowed and TRIM_SLOTS and segment.before_unmap is None
+                and segment not in self._overflow and self._sizes_vary() and _populate_supported(segment))
+        if trim:
+            self._trim_granted[slot] = self._generations[slot]
+        else:
+            self._trim_granted.pop(slot, None)
+        return self._pages_end.get(slot, 0), trim
+
+    def _new_segment_in(self, slot: int) -> None:
+        """The slot's segment changed: what was noted of the old one's pages goes."""
+        self._pages_end.pop(slot, None)
+        self._trim_granted.pop(slot, None)
+
     def _detach(self, slot: int) -> None:
         """Leave a leased slot's segment to its batch alone; the slot starts a new generation."""
         segment = self._segments[slot]
@@ -557,6 +618,7 @@ class Ring:
         self._retired.append((slot, self._generations[slot]))
         del self._leased[slot]
         self._segments[slot] = None
+        self._new_segment_in(slot)
         self._generations[slot] += 1  # its lease's release is then ignored (collect_released)
         self._states[slot] = _FREE
         self._free.append(slot)
@@ -670,6 +732,7 @@ class Ring:
         self._fitted.discard(slot)
         old = self._segments[slot]
         self._segments[slot] = segment
+        self._new_segment_in(slot)
         if shm_segment.outside_shm(fd):  # a worker's, where /dev/shm had no room for it
             self._note_overflow(segment, f"has no room for a slot of {fmt_bytes(capacity)} "
                                 f"({fmt_bytes(shm_segment.shm_free_bytes())} free)",
@@ -718,6 +781,14 @@ class Ring:
         self._states[slot] = _LEASED
         self._leased[slot] = None
         self._leased_ends[slot] = payload_end
+        end = capacity
+        if self._trim_granted.pop(slot, None) == generation:  # its writer gave back what lies past the batch
+            end = trimmed_end(capacity, payload_end)
+        if end < capacity:
+            self._pages_end[slot] = end
+            self._trimmed += 1
+        else:  # its writer took every page back first
+            self._pages_end.pop(slot, None)
         self._leases += 1
         self._follow(payload_end)
         descriptor = segment.read(desc_offset, desc_bytes)
@@ -765,6 +836,7 @@ class Ring:
         segment.close_fd()
         self._retired.append((slot, self._generations[slot]))
         self._segments[slot] = None
+        self._new_segment_in(slot)
         self._generations[slot] += 1
         self._shrunk += 1
 
@@ -826,6 +898,7 @@ class Ring:
             made_ahead=self._made_ahead,
             slot_shrinks=self._shrunk,
             overflow_slots=self._overflow_made,
+            pages_given_back=self._trimmed,
         )
 
     # -- teardown ----------------------------------------------------------------------------

@@ -256,7 +256,8 @@ class SlotScheduler:
         if capacity:
             self.pin(ring.segment(slot))  # a segment made ahead (spares.py): once each
         fds = self.fds_for(worker_id, slot)
-        self.send(worker_id, Grant(slot, generation, capacity, hint), fds)
+        unreserved_from, trim = ring.grant_terms(slot)  # NOTE [ A slot's pages follow its batch ] in ring.py
+        self.send(worker_id, Grant(slot, generation, capacity, hint, unreserved_from, trim), fds)
         self._grants[worker_id].add(slot)
 
     def _forget_retired(self) -> None:

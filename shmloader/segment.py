@@ -47,6 +47,24 @@ def page_round(nbytes: int) -> int:
     return (nbytes + PAGE - 1) // PAGE * PAGE
 
 
+# NOTE [ A slot's pages follow its batch ] in ring.py: a slot gives back the pages past its batch
+# when at least this many bytes, and this share of the slot, lie there.
+TRIM_MIN_BYTES = 1 << 20
+TRIM_MIN_SHARE = 1 / 4
+
+
+def trimmed_end(capacity: int, payload_end: int) -> int:
+    """Where the pages of a segment of `capacity` bytes end once the batch written in it (ending
+    at `payload_end`) is in, if its writer may give back the rest: the batch's end, page-rounded,
+    where that frees at least TRIM_MIN_BYTES and TRIM_MIN_SHARE of the segment, else `capacity`
+    (a grown slot's headroom, an eighth, is kept).  Worker and main process both apply it, the one
+    to give the pages back, the other to know which to ask back at the slot's next grant."""
+    end = page_round(payload_end)
+    if capacity - end >= max(TRIM_MIN_BYTES, TRIM_MIN_SHARE * capacity):
+        return end
+    return capacity
+
+
 def shm_free_bytes(path: str | None = None) -> int:
     st = os.statvfs(path if path is not None else SHM_DIR)  # SHM_DIR read now: tests patch it
     return st.f_bavail * st.f_frsize

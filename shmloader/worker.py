@@ -22,6 +22,7 @@ or draw random numbers behave exactly as under torch's DataLoader.
 from __future__ import annotations
 
 import collections
+import errno
 import faulthandler
 import os
 import pickle
@@ -73,7 +74,14 @@ from .protocol import (
     status_offset,
 )
 from .samples_in_slot import SamplesInArena, SamplesInSlot
-from .segment import create_segment, create_segment_or_overflow, slot_capacity
+from .segment import (
+    SHM_DIR,
+    create_segment,
+    create_segment_or_overflow,
+    shm_free_bytes,
+    slot_capacity,
+    trimmed_end,
+)
 from .state import send_batch_state, send_epoch_state, start_fetcher
 from .timing import stage_clock
 
@@ -347,6 +355,10 @@ class _Worker:
         self.stage = STAGES[BOOTING]  # the stage last entered, for an error outside a task
         self.crash_file = None  # where faulthandler writes (crashlog.py)
         self.grants: collections.deque[tuple[int, int, int, int]] = collections.deque()  # (slot, gen, cap, hint)
+        # NOTE [ A slot's pages follow its batch ] in ring.py: per slot, (generation, offset) of
+        # pages given back, to take back before writing; the generation granted leave to trim
+        self.unreserved: dict[int, tuple[int, int]] = {}
+        self.may_trim: dict[int, int] = {}
         self.pending: collections.deque[tuple[tuple, list[int]]] = collections.deque()
         self.rewind_points: dict[tuple[int, int], tuple] = {}  # tasks sent ahead -> RNG states before
         # NOTE [ Samples born in the slot ] in samples_in_slot.py
@@ -488,15 +500,23 @@ class _Worker:
             del self.segments[slot]
 
     def _take_grant(self, message: Grant, fds: list[int]) -> None:
-        slot, generation, capacity, hint = message
+        slot, generation, capacity, hint = message.slot, message.generation, message.capacity, message.hint
         self._attach(slot, generation, capacity, fds)
+        if message.unreserved_from and capacity:
+            self.unreserved[slot] = (generation, message.unreserved_from)
+        else:
+            self.unreserved.pop(slot, None)
+        if message.trim:
+            self.may_trim[slot] = generation
+        else:
+            self.may_trim.pop(slot, None)
         self.grants.append((slot, generation, capacity, hint))
 
     def _next_grant(self, idx: int) -> tuple[int, int, int, int]:
         """A granted slot; reads (and keeps, in order) other messages while waiting for one."""
         while not self.grants:
             self._receive_while_waiting()
-        return self.grants.popleft()
+        return self._ready_to_write(self.grants.popleft())
 
     def grant_now(self) -> tuple[int, int, int, int] | None:
         """A granted slot if one is in hand or already waiting on the socket, without waiting."""
@@ -505,7 +525,28 @@ class _Worker:
             if not readable:
                 return None
             self._receive_while_waiting()
-        return self.grants.popleft()
+        return self._ready_to_write(self.grants.popleft())
+
+    def _ready_to_write(self, grant: tuple[int, int, int, int]) -> tuple[int, int, int, int]:
+        """`grant`, its slot's pages given back after an earlier, smaller batch taken back first
+        (NOTE [ A slot's pages follow its batch ] in ring.py); where /dev/shm has no room for
+        them, the grant stays this worker's and the batch fails with a ShmCapacityError."""
+        slot, generation, capacity, _hint = grant
+        given_back = self.unreserved.get(slot)
+        if given_back is None or given_back[0] != generation or not capacity:
+            return grant
+        offset = given_back[1]
+        try:
+            self.segments[slot][1].populate_from(offset)
+        except OSError as exc:
+            self.grants.appendleft(grant)
+            if exc.errno in (errno.EFAULT, errno.ENOMEM, errno.ENOSPC):
+                raise ShmCapacityError(capacity - offset, shm_free_bytes(), SHM_DIR,
+                                       f"slot {slot} of the ring, taking back the pages past its "
+                                       f"earlier, smaller batch,") from exc
+            raise
+        del self.unreserved[slot]
+        return grant
 
     def _receive_while_waiting(self) -> None:
         message, fds = self.channel.recv()
@@ -683,6 +724,10 @@ class _Worker:
             if kept:  # the collate_fn or the dataset keeps arrays that live in this segment
                 segment = grown = self._move_batch(segment, slot, granted, published[1], idx)
                 generation, in_place = granted + 1, 0
+            if grown is None and self.may_trim.get(slot) == granted:  # NOTE [ A slot's pages follow its batch ]
+                end = trimmed_end(segment.size, published[1])
+                if end < segment.size:
+                    segment.discard_from(end)
             segment.publish(*published)
             grant = None  # handed back with the result
             if grown is not None:
