@@ -531,10 +531,14 @@ class Ring:
             created = []
         known = [s for s in created if prefer.get(s) == self._generations[s]]
         order = known + created
-        if not order and not created_only and (self._spares.ready_count() > 0 or self._may_add_segment()):
+        may_add = self._may_add_segment()
+        if not order and not created_only and (self._spares.ready_count() > 0 or may_add):
             if not self._free and self._leased:
                 self._detach(next(iter(self._leased)))
             order = sorted(self._free, key=lambda s: s not in self._fitted)  # those needing no spare first
+            if not may_add:  # only the ready spare has room: a slot its writer makes would be one
+                # segment past the cap (a fitted slot gets no spare: max_ring_slots=7 held 20)
+                order = [s for s in order if s not in self._fitted and self._segments[s] is None]
         if not order:
             if self._within_users_cap():  # /dev/shm's room is what is missing, not a cap
                 raise ShmCapacityError((self.slot_bytes or 0), shm_segment.shm_free_bytes(), shm_segment.SHM_DIR,
