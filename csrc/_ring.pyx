@@ -263,18 +263,17 @@ cdef class Segment:
         if rc != 0:
             raise OSError(rc, f"discarding bytes {offset} to {self._size} of a slot segment: {os.strerror(rc)}")
 
-    def populate_from(self, uint64_t offset):
-        """Take back from /dev/shm the pages from `offset` (page-aligned) to the end, given back
-        by discard_from, before writing there: OSError(EFAULT) where /dev/shm has no room for
-        them, OSError(EINVAL) on a kernel without MADV_POPULATE_WRITE (Linux < 5.14)
+    def populate(self, uint64_t offset, uint64_t nbytes):
+        """Take back from /dev/shm the pages of [offset, offset + nbytes) (offset page-aligned),
+        given back by discard_from, before writing there: OSError(EFAULT) where /dev/shm has no
+        room for them, OSError(EINVAL) on a kernel without MADV_POPULATE_WRITE (Linux < 5.14)
         (NOTE [ A slot's pages follow its batch ] in shmloader/ring.py)."""
-        self._check_range(offset, self._size - offset if offset <= self._size else 1)
+        self._check_range(offset, nbytes)
         cdef int rc
-        cdef uint64_t nbytes = self._size - offset
         with nogil:
             rc = shm_populate(self._base, offset, nbytes)
         if rc != 0:
-            raise OSError(rc, f"reserving bytes {offset} to {self._size} of a slot segment: {os.strerror(rc)}")
+            raise OSError(rc, f"reserving bytes {offset} to {offset + nbytes} of a slot segment: {os.strerror(rc)}")
 
     def close_fd(self):
         """Close the fd (after it has been passed on); the mapping stays until deallocation."""

@@ -8,7 +8,7 @@ version (a spawned interpreter that imports another shmloader) refuses to start,
 
     main ─▶ worker                               worker ─▶ main
     Hello(version, status bytes) + 2 fds         Ready(epoch, idx, slot, generation, capacity,
-    Task(epoch, idx, indices)                          in-place bytes) [+ fd of a new segment]
+    Task(epoch, idx, indices)                          in-place bytes, pages end) [+ fd of a new segment]
     Grant(slot, generation, capacity, hint,      Failed(epoch, idx, stage, exception payload)
           unreserved_from, trim)
           [+ fd the first time it sees it]       End(epoch, idx)           an iterable ran out
@@ -104,13 +104,16 @@ class Rewind(NamedTuple):
 
 class Ready(NamedTuple):
     """Batch `idx` is published in `slot` (fd: a segment this worker made for it, generation
-    and capacity as given); `in_place` bytes were collated in the slot, not copied."""
+    and capacity as given); `in_place` bytes were collated in the slot, not copied; the
+    segment's pages end at `pages_end`, those past it given back (0: it has them all; NOTE [ A
+    slot's pages follow its batch ] in ring.py)."""
     epoch: int
     idx: int
     slot: int
     generation: int
     capacity: int
     in_place: int
+    pages_end: int = 0
 
 
 class NoRoom(NamedTuple):

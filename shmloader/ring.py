@@ -43,11 +43,14 @@ NOTE [ A slot's pages follow its batch ]
   less than FITTED_BELOW of a slot (`_sizes_vary`), a grant lets its writer give back the pages
   past its batch once the batch is written (`Grant.trim`, `segment.trimmed_end`: at least
   TRIM_MIN_BYTES and a quarter of the slot, so equal batches and a grown slot's headroom never
-  pay), and the main process, reading the same end in the header when it leases the slot, notes
-  where the slot's pages end.  The slot's next grant says so (`Grant.unreserved_from`), and its
-  writer takes those pages back (MADV_POPULATE_WRITE) before anything is written there, so a
-  full /dev/shm is a ShmCapacityError for that batch, never a SIGBUS.  A ready or leased slot
-  then holds its batch's pages only; a slot being written holds the whole slot, as before.
+  pay), and its Ready says where the slot's pages end now (`Ready.pages_end`), which the main
+  process notes, for a stale result too.  The slot's next grant says so (`Grant.unreserved_from`),
+  and its writer takes back (MADV_POPULATE_WRITE) the pages it will write before it writes
+  there: as far as its batch's end where the batch is laid out before the slot is taken (torch's
+  default collate), the whole slot where the collate_fn or the samples are made in it.  So a
+  full /dev/shm is a ShmCapacityError for that batch, never a SIGBUS, and a ready or leased slot
+  holds its batch's pages only.  The cost is the pages made again when a larger batch follows
+  a smaller one (zero-filled by the worker, as torch's worker fills a new segment per batch).
   Never for a segment page-locked for CUDA (the driver holds its pages: a hole punched under
   them would part the GPU's copy from the file), nor outside /dev/shm, nor in the
   sample-parallel mode (many writers share one slot), nor on a kernel without
@@ -150,7 +153,7 @@ from .errors import RingFullError, ShmCapacityError, ShmCapacityWarning, SlotPro
 from .errors import _fmt_bytes as fmt_bytes
 from .interrupts import ctrl_c_held
 from .ownership import forking_a_worker, register_parent_only
-from .segment import MIN_HEADROOM, create_segment, page_round, trimmed_end
+from .segment import MIN_HEADROOM, create_segment, page_round
 from .spares import SpareMaker
 
 CONSUMER_SLOTS = 2
@@ -184,7 +187,7 @@ def _populate_supported(segment: _ring.Segment) -> bool:
     global _populate_works
     if _populate_works is None:
         try:
-            segment.populate_from(segment.size)
+            segment.populate(segment.size, 0)
             _populate_works = True
         except OSError:
             _populate_works = False
@@ -268,9 +271,8 @@ class Ring:
         self._detached = 0
         self._fitted: set[int] = set()  # slots remade at their batch's size (NOTE [ Held batches of varying size ])
         # NOTE [ A slot's pages follow its batch ]: where a slot's pages end now (absent: its whole
-        # segment), the generation last granted with leave to trim, and whether trims may be granted
+        # segment, as its writer's Ready said), and whether trims may be granted
         self._pages_end: dict[int, int] = {}
-        self._trim_granted: dict[int, int] = {}
         self.trims_allowed = False  # the default mode's iterator allows them (one writer per slot)
         self._trimmed = 0
         self._leases = 0  # batches leased so far
@@ -601,16 +603,20 @@ class Ring:
             return 0, False
         trim = (self.trims_allowed and TRIM_SLOTS and segment.before_unmap is None
                 and segment not in self._overflow and self._sizes_vary() and _populate_supported(segment))
-        if trim:
-            self._trim_granted[slot] = self._generations[slot]
-        else:
-            self._trim_granted.pop(slot, None)
         return self._pages_end.get(slot, 0), trim
+
+    def note_pages(self, slot: int, pages_end: int) -> None:
+        """Its writer's Ready: the slot's segment has its pages up to `pages_end` only (0: all)."""
+        segment = self._segments[slot]
+        if segment is not None and 0 < pages_end < segment.size:
+            self._pages_end[slot] = pages_end
+            self._trimmed += 1
+        else:
+            self._pages_end.pop(slot, None)
 
     def _new_segment_in(self, slot: int) -> None:
         """The slot's segment changed: what was noted of the old one's pages goes."""
         self._pages_end.pop(slot, None)
-        self._trim_granted.pop(slot, None)
 
     def _detach(self, slot: int) -> None:
         """Leave a leased slot's segment to its batch alone; the slot starts a new generation."""
@@ -785,14 +791,6 @@ class Ring:
         self._states[slot] = _LEASED
         self._leased[slot] = None
         self._leased_ends[slot] = payload_end
-        end = capacity
-        if self._trim_granted.pop(slot, None) == generation:  # its writer gave back what lies past the batch
-            end = trimmed_end(capacity, payload_end)
-        if end < capacity:
-            self._pages_end[slot] = end
-            self._trimmed += 1
-        else:  # its writer took every page back first
-            self._pages_end.pop(slot, None)
         self._leases += 1
         self._follow(payload_end)
         descriptor = segment.read(desc_offset, desc_bytes)

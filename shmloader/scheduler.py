@@ -178,6 +178,7 @@ class SlotScheduler:
             self._forget_retired()  # other workers' mappings of the pre-growth segment
             if self._pinner is not None:
                 self._pinner.pin(ring.segment(slot))  # once per slot segment
+        ring.note_pages(slot, message.pages_end)  # NOTE [ A slot's pages follow its batch ] in ring.py
         if not deliver:
             ring.unassign(slot)
             return None

@@ -78,6 +78,7 @@ from .segment import (
     SHM_DIR,
     create_segment,
     create_segment_or_overflow,
+    page_round,
     shm_free_bytes,
     slot_capacity,
     trimmed_end,
@@ -355,9 +356,9 @@ class _Worker:
         self.stage = STAGES[BOOTING]  # the stage last entered, for an error outside a task
         self.crash_file = None  # where faulthandler writes (crashlog.py)
         self.grants: collections.deque[tuple[int, int, int, int]] = collections.deque()  # (slot, gen, cap, hint)
-        # NOTE [ A slot's pages follow its batch ] in ring.py: per slot, (generation, offset) of
-        # pages given back, to take back before writing; the generation granted leave to trim
-        self.unreserved: dict[int, tuple[int, int]] = {}
+        # NOTE [ A slot's pages follow its batch ] in ring.py: per slot, (generation, where its
+        # pages end: those past were given back); the generation granted leave to give them back
+        self.pages_end: dict[int, tuple[int, int]] = {}
         self.may_trim: dict[int, int] = {}
         self.pending: collections.deque[tuple[tuple, list[int]]] = collections.deque()
         self.rewind_points: dict[tuple[int, int], tuple] = {}  # tasks sent ahead -> RNG states before
@@ -503,20 +504,21 @@ class _Worker:
         slot, generation, capacity, hint = message.slot, message.generation, message.capacity, message.hint
         self._attach(slot, generation, capacity, fds)
         if message.unreserved_from and capacity:
-            self.unreserved[slot] = (generation, message.unreserved_from)
+            self.pages_end[slot] = (generation, message.unreserved_from)
         else:
-            self.unreserved.pop(slot, None)
+            self.pages_end.pop(slot, None)
         if message.trim:
             self.may_trim[slot] = generation
         else:
             self.may_trim.pop(slot, None)
         self.grants.append((slot, generation, capacity, hint))
 
-    def _next_grant(self, idx: int) -> tuple[int, int, int, int]:
-        """A granted slot; reads (and keeps, in order) other messages while waiting for one."""
+    def _next_grant(self, idx: int, upto: int | None = None) -> tuple[int, int, int, int]:
+        """A granted slot, ready for writing its first `upto` bytes (all without `upto`); reads
+        (and keeps, in order) other messages while waiting for one."""
         while not self.grants:
             self._receive_while_waiting()
-        return self._ready_to_write(self.grants.popleft())
+        return self._ready_to_write(self.grants.popleft(), upto)
 
     def grant_now(self) -> tuple[int, int, int, int] | None:
         """A granted slot if one is in hand or already waiting on the socket, without waiting."""
@@ -527,26 +529,49 @@ class _Worker:
             self._receive_while_waiting()
         return self._ready_to_write(self.grants.popleft())
 
-    def _ready_to_write(self, grant: tuple[int, int, int, int]) -> tuple[int, int, int, int]:
-        """`grant`, its slot's pages given back after an earlier, smaller batch taken back first
-        (NOTE [ A slot's pages follow its batch ] in ring.py); where /dev/shm has no room for
-        them, the grant stays this worker's and the batch fails with a ShmCapacityError."""
+    def _ready_to_write(self, grant: tuple[int, int, int, int], upto: int | None = None) -> tuple[int, int, int, int]:
+        """`grant`, the pages of its slot's first `upto` bytes (all without `upto`) that were given
+        back after an earlier, smaller batch taken back first (NOTE [ A slot's pages follow its
+        batch ] in ring.py); where /dev/shm has no room for them, the grant stays this worker's
+        and the batch fails with a ShmCapacityError."""
         slot, generation, capacity, _hint = grant
-        given_back = self.unreserved.get(slot)
-        if given_back is None or given_back[0] != generation or not capacity:
+        known = self.pages_end.get(slot)
+        if known is None or known[0] != generation or not capacity:
             return grant
-        offset = given_back[1]
+        end = known[1]
+        target = capacity if upto is None else min(capacity, page_round(upto))
+        if target <= end:
+            return grant
         try:
-            self.segments[slot][1].populate_from(offset)
+            self.segments[slot][1].populate(end, target - end)
         except OSError as exc:
             self.grants.appendleft(grant)
             if exc.errno in (errno.EFAULT, errno.ENOMEM, errno.ENOSPC):
-                raise ShmCapacityError(capacity - offset, shm_free_bytes(), SHM_DIR,
+                raise ShmCapacityError(target - end, shm_free_bytes(), SHM_DIR,
                                        f"slot {slot} of the ring, taking back the pages past its "
                                        f"earlier, smaller batch,") from exc
             raise
-        del self.unreserved[slot]
+        if target < capacity:
+            self.pages_end[slot] = (generation, target)
+        else:
+            del self.pages_end[slot]
         return grant
+
+    def _pages_after(self, segment, slot: int, granted: int, payload_end: int) -> int:
+        """Just before the batch in the granted slot is published: give back the pages past it
+        where the grant allows; where the segment's pages end now, 0 for all (Ready.pages_end)."""
+        known = self.pages_end.get(slot)
+        end = known[1] if known is not None and known[0] == granted else segment.size
+        if self.may_trim.get(slot) == granted:
+            cut = trimmed_end(segment.size, payload_end)
+            if cut < end:
+                segment.discard_from(cut)
+                end = cut
+        if end < segment.size:
+            self.pages_end[slot] = (granted, end)
+            return end
+        self.pages_end.pop(slot, None)
+        return 0
 
     def _receive_while_waiting(self) -> None:
         message, fds = self.channel.recv()
@@ -656,7 +681,7 @@ class _Worker:
                 in_slot.learn(plan, watched, fetched_in_arena)
             if grant is None:
                 stage = self._enter(AWAITING_SLOT, idx)
-                grant = self._next_grant(idx)
+                grant = self._next_grant(idx, plan.total_bytes)  # its pages as far as the batch goes
             slot, granted, capacity, hint = grant
             generation = granted  # a segment this worker makes for the slot is granted + 1
             segment = self.segments[slot][1] if capacity else None
@@ -724,10 +749,7 @@ class _Worker:
             if kept:  # the collate_fn or the dataset keeps arrays that live in this segment
                 segment = grown = self._move_batch(segment, slot, granted, published[1], idx)
                 generation, in_place = granted + 1, 0
-            if grown is None and self.may_trim.get(slot) == granted:  # NOTE [ A slot's pages follow its batch ]
-                end = trimmed_end(segment.size, published[1])
-                if end < segment.size:
-                    segment.discard_from(end)
+            pages_end = 0 if grown is not None else self._pages_after(segment, slot, granted, published[1])
             segment.publish(*published)
             grant = None  # handed back with the result
             if grown is not None:
@@ -735,7 +757,7 @@ class _Worker:
                 grown.close_fd()
                 self.segments[slot] = (generation, grown)  # known to the main process only now
             else:
-                self.channel.send(Ready(epoch, idx, slot, generation, segment.size, in_place))
+                self.channel.send(Ready(epoch, idx, slot, generation, segment.size, in_place, pages_end))
             if in_slot is not None:
                 in_slot.after_batch()  # (the heap memory it no longer needs: heap.py)
         except (ChannelClosed, BrokenPipeError, ConnectionResetError, _Stopped):

@@ -129,24 +129,47 @@ def test_trimmed_end_spares_equal_batches_and_headroom():
     assert trimmed_end(8 * MiB, 100) == os.sysconf("SC_PAGE_SIZE")
 
 
-class _FullShm:
-    """A segment whose given-back pages /dev/shm has no room for."""
+class _Pages:
+    """A segment that records the pages taken back, or whose /dev/shm has no room for them."""
 
-    def populate_from(self, offset):
-        raise OSError(errno.EFAULT, "Bad address")
+    def __init__(self, full: bool = False):
+        self.full, self.taken = full, []
+
+    def populate(self, offset, nbytes):
+        if self.full:
+            raise OSError(errno.EFAULT, "Bad address")
+        self.taken.append((offset, nbytes))
+
+
+def _worker_with(segment, pages_end) -> _Worker:
+    worker = object.__new__(_Worker)
+    worker.pages_end = {3: (7, pages_end)}
+    worker.segments = {3: (7, segment)}
+    worker.grants = collections.deque()
+    return worker
+
+
+def test_a_writer_takes_back_the_pages_its_batch_needs():
+    grant = (3, 7, 4 * MiB, 0)
+    worker = _worker_with(_Pages(), MiB)
+    assert worker._ready_to_write(grant, upto=2 * MiB + 100) == grant  # the batch's size known
+    assert worker.segments[3][1].taken == [(MiB, MiB + os.sysconf("SC_PAGE_SIZE"))]
+    assert worker.pages_end[3] == (7, 2 * MiB + os.sysconf("SC_PAGE_SIZE"))
+    worker._ready_to_write(grant)  # a collate_fn that writes in the slot: all of it
+    assert worker.segments[3][1].taken[-1] == (2 * MiB + os.sysconf("SC_PAGE_SIZE"), 2 * MiB - os.sysconf("SC_PAGE_SIZE"))
+    assert 3 not in worker.pages_end
+    worker = _worker_with(_Pages(), MiB)
+    worker.pages_end = {3: (6, MiB)}  # an older generation's: nothing to take back
+    assert worker._ready_to_write(grant) == grant and worker.segments[3][1].taken == []
 
 
 def test_no_room_to_take_pages_back_fails_the_batch_and_keeps_the_grant():
-    worker = object.__new__(_Worker)
-    worker.unreserved = {3: (7, 1 * MiB)}
-    worker.segments = {3: (7, _FullShm())}
-    worker.grants = collections.deque([(3, 7, 4 * MiB, 0)])
+    grant = (3, 7, 4 * MiB, 0)
+    worker = _worker_with(_Pages(full=True), MiB)
     with pytest.raises(ShmCapacityError, match="slot 3 of the ring, taking back the pages") as info:
-        worker._ready_to_write(worker.grants.popleft())
+        worker._ready_to_write(grant)
     assert info.value.needed == 3 * MiB
-    assert list(worker.grants) == [(3, 7, 4 * MiB, 0)] and 3 in worker.unreserved  # tried again next batch
-    worker.unreserved = {3: (6, 1 * MiB)}  # an older generation's: nothing to take back
-    assert worker._ready_to_write((3, 7, 4 * MiB, 0)) == (3, 7, 4 * MiB, 0)
+    assert list(worker.grants) == [grant] and worker.pages_end[3] == (7, MiB)  # tried again next batch
 
 
 def test_taking_pages_back_makes_them_writable():
@@ -156,7 +179,7 @@ def test_taking_pages_back_makes_them_writable():
         view[:] = 7
         segment.discard_from(MiB)
         assert int(view[MiB:].max()) == 0 and int(view[:MiB].min()) == 7  # given back: zeros
-        segment.populate_from(MiB)
+        segment.populate(MiB, 3 * MiB)
         view[MiB:] = 9
         assert int(view[-1]) == 9 and int(view[0]) == 7
         del view
