@@ -56,10 +56,10 @@ OTHER_TRANSPORTS = ("torch-pickle", "torch-shm", "torch-pickle-np", "shmloader",
                     "shmloader-np-stack", "spdl-arena", "memcpy", "memcpy-*")
 # the mode workloads' transports (bench.transports; a mode's is skipped where not yet built)
 MODE_TRANSPORTS = {
-    "epochs": ("torch-shm", "shmloader", "shmloader-epoch-prefetch"),
+    "epochs": ("torch-shm", "shmloader", "shmloader-epoch-prefetch", "shmloader-rows-epoch-prefetch"),
     "rows": ("torch-shm", "shmloader", "shmloader-rows", "work-only"),
 }
-MODE_ONLY = ("shmloader-epoch-prefetch", "shmloader-rows")
+MODE_ONLY = ("shmloader-epoch-prefetch", "shmloader-rows", "shmloader-rows-epoch-prefetch")
 # paced: the main process's CPU while it waits, for the loaders that deliver without pickling
 PACED_TRANSPORTS = ("torch-shm", "shmloader", "shmloader-np-stack", "spdl-arena")
 EPOCHS_WORKERS = 4  # 4 x 32 samples x 3 ms: the workers keep ahead of the 0.05 s step

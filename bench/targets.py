@@ -89,6 +89,11 @@ TARGETS: tuple[Target, ...] = (
     *(Target(10, "epochs", _every, ("shmloader-epoch-prefetch",), ("shmloader-epoch-prefetch",), "<=", 1.0,
              f"first_wait_e{e}_s/steady_wait_s", f"epoch {e}'s first wait no longer than a steady wait")
       for e in (2, 3)),
+    # ... and the same with both modes on (sample_parallel=True, prefetch_next_epoch=True)
+    *(Target(10, "epochs", _every, ("shmloader-rows-epoch-prefetch",), ("shmloader-rows-epoch-prefetch",), "<=",
+             1.0, f"first_wait_e{e}_s/steady_wait_s",
+             f"epoch {e}'s first wait no longer than a steady wait, with sample_parallel=True too")
+      for e in (2, 3)),
 )
 
 

@@ -44,7 +44,8 @@ the mode lands):
 - ``shmloader-epoch-prefetch``: ``shmloader`` with ``prefetch_next_epoch=True`` (persistent
   workers start the next epoch's batches before its ``iter()``; ``shmloader`` drains, as torch);
 - ``shmloader-rows``: ``shmloader`` with ``sample_parallel=True`` (the samples of one batch are
-  spread over all workers).
+  spread over all workers);
+- ``shmloader-rows-epoch-prefetch``: both (the epochs workload only).
 
 A loader transport builds its loader from a :class:`~bench.workloads.Point`; ``memcpy`` is timed
 by :func:`time_memcpy` instead.
@@ -105,6 +106,8 @@ def all_transports() -> dict[str, Transport]:
                                               extra=(("prefetch_next_epoch", True),)),
         "shmloader-rows": Transport("shmloader-rows", "shmloader", "default",
                                     extra=(("sample_parallel", True),)),
+        "shmloader-rows-epoch-prefetch": Transport("shmloader-rows-epoch-prefetch", "shmloader", "default",
+                                                   extra=(("sample_parallel", True), ("prefetch_next_epoch", True))),
         "work-only": Transport("work-only", "work", "numpy"),
         "memcpy": Transport("memcpy", "memcpy", threads=1),
     }

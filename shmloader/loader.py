@@ -168,7 +168,8 @@ class ShmDataLoader(DataLoader[_T_co]):
         (NOTE [ Held batches ] in ring.py).
     prefetch_next_epoch: with persistent_workers, start the next epoch's first batches while the
         loop takes this epoch's last ones, and keep each only if the sampler really yields its
-        indices (NOTE [ Cross-epoch prefetch ] in epochs.py).  Off by default (drained at each
+        indices (NOTE [ Cross-epoch prefetch ] in epochs.py; with sample_parallel too: NOTE [ The
+        next epoch's first batches ] in sample_parallel.py).  Off by default (drained at each
         epoch's end, as torch does): those batches are fetched before your code between epochs
         runs, so turn it on only where what the dataset returns does not depend on that code.
     """

@@ -44,7 +44,7 @@ from . import _ring
 from .errors import SlotProtocolError
 from .timing import MAX_STAGES, STATUS_BLOCK_BYTES
 
-PROTOCOL_VERSION = 6  # 1: positional tuples (shmloader <= 0.x); 2: typed messages; 3: rows in place; 4: Kept rows' bytes; 5: NoRoom; 6: Grant's pages
+PROTOCOL_VERSION = 7  # 1: positional tuples (shmloader <= 0.x); 2: typed messages; 3: rows in place; 4: Kept rows' bytes; 5: NoRoom; 6: Grant's pages; 7: rows of the next epoch
 
 
 # -- main process -> worker ----------------------------------------------------------------------
@@ -163,7 +163,9 @@ class Fatal(NamedTuple):
 
 class Learn(NamedTuple):
     """Fetch sample `index` as row 0 of batch `idx` (of `size` rows), learn the batch's row
-    schema from it, send it back (Schema) and keep the sample for the Rows that asks for it."""
+    schema from it, send it back (Schema) and keep the sample for the Rows that asks for it.
+    In this mode's messages a negative epoch -e tags a batch of epoch e sent before it began
+    (prefetch_next_epoch): its rows are seeded as epoch e's, and its replies carry the tag."""
     epoch: int
     idx: int
     size: int

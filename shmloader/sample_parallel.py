@@ -119,7 +119,8 @@ NOTE [ Rows born in place ]
   size (batch_size or batch_sampler).  An IterableDataset, a custom collate_fn or batch_size=None
   is a ValueError at construction, naming what and saying to use the default mode.  A dataset
   with __getitems__ gets it called with one index at a time.  num_workers=0 runs in process
-  as the default mode does (there is nothing to spread).  persistent_workers, timeout,
+  as the default mode does (there is nothing to spread).  prefetch_next_epoch=True sends the
+  next epoch's first batches ahead (NOTE [ The next epoch's first batches ]).  persistent_workers, timeout,
   pin_memory (the slots are page-locked as in the default mode), held batches (list(loader):
   NOTE [ Held batches ] in ring.py) and stats() work as in the default mode (stats().timing is
   None; in_place_bytes counts rows born in place); in_order=False delivers in order anyway; no loader state (state_dict() says so, load_state_dict() warns and starts afresh: below).
@@ -135,7 +136,7 @@ import warnings
 import torch
 from torch.utils.data import IterableDataset, default_collate
 
-from . import rows
+from . import epochs, rows
 from ._ring import HEADER_BYTES, SlotArena
 from .errors import LoaderTimeoutError, SlotProtocolError
 from .interrupts import ctrl_c_held
@@ -179,10 +180,6 @@ def check_loader(loader) -> None:
         raise ValueError(
             f"sample_parallel=True writes each sample's rows as torch's default_collate stacks them, "
             f"so it needs the default collate_fn; got collate_fn={loader.collate_fn!r}: {_USE_DEFAULT}")
-    if loader.prefetch_next_epoch:
-        raise ValueError("sample_parallel=True does not fetch across an epoch's end yet: "
-                         "prefetch_next_epoch=True works in the default mode (sample_parallel=False); "
-                         "pass one of the two")
 
 
 # No loader state in this mode yet.  state_dict() still answers, with a state that says so, because
@@ -280,7 +277,8 @@ class _RowsWorker:
         kept, self.kept = self.kept, None
         if kept is not None and row == 0 and kept[:2] == (epoch, idx):
             return kept[2]
-        rows.seed_sample(rows.sample_seed(worker.spec.base_seed, epoch, idx, row))
+        # (a batch of the next epoch fetched ahead is tagged -epoch: seeded as that epoch's)
+        rows.seed_sample(rows.sample_seed(worker.spec.base_seed, abs(epoch), idx, row))
         return worker.fetcher.fetch([index])[0]
 
     def learn(self, worker, message: Learn) -> None:
@@ -385,10 +383,13 @@ class _Batch:
     """One batch drawn from the sampler, until it is delivered."""
 
     __slots__ = ("epoch", "idx", "indices", "slot", "left", "first_row", "failure", "fatal", "done", "data",
-                 "schemas", "relearn", "relearnt")
+                 "schemas", "relearn", "relearnt", "dropped")
 
     def __init__(self, epoch: int, idx: int, indices):
+        # epoch: its epoch, or -e for one of epoch e's first batches sent before e began (NOTE
+        # [ The next epoch's first batches ]); (epoch, idx) is its key and its messages' tag
         self.epoch, self.idx, self.indices = epoch, idx, list(indices)
+        self.dropped = False  # sent ahead, and the sampler did not bear it out (or its epoch was left)
         self.slot: int | None = None
         self.left = 0  # chunks not reported yet
         self.first_row: dict[int, int] = {}  # worker -> its chunk's first row
@@ -422,6 +423,13 @@ class SampleParallelIter(_PoolIter):
         self._kept_segments: set[tuple[int, int]] = set()  # (slot, generation) a dataset keeps rows of
         self._kept_rows: dict[tuple[int, int], list[tuple[int, bytes]]] = {}  # their bytes as written
         self._in_place_bytes = 0
+        # NOTE [ The next epoch's first batches ] (persistent workers only: the loader checks)
+        self._ahead_on = bool(getattr(loader, "prefetch_next_epoch", False)) and self._persistent_workers
+        self._forecast: epochs.Forecast | None = None  # the next epoch's first items, once drawn
+        self._ahead: list[_Batch] = []  # the next epoch's first batches, sent ahead, by position
+        self._adopted: dict[int, _Batch] = {}  # this epoch's batches that were sent ahead and kept
+        self._prefetched = 0  # batches kept, in all epochs
+        self._misses = 0  # forecasts the sampler did not bear out in full
         pinner = None
         if self._pin_memory:
             from .cuda import SlotPinner
@@ -454,15 +462,20 @@ class SampleParallelIter(_PoolIter):
 
     def _reset(self, loader, first_iter=False) -> None:
         super()._reset(loader, first_iter)
-        if not first_iter:
-            self._epoch += 1
-            for key, batch in list(self._flight.items()):  # the last epoch's: never delivered
-                if batch.done or batch.slot is None:
-                    del self._flight[key]  # a delivered-to-be batch's lease goes with it
-            self._queue.clear()  # a schema being learnt still serves; a failure to learn it is dropped
         self._send_idx = 0
         self._rcvd_idx = 0
         self._exhausted = False
+        self._adopted = {}
+        if not first_iter:
+            self._epoch += 1
+            try:
+                self._adopt_ahead()  # (the sampler may raise, as torch's iter() raises it)
+            finally:
+                for key, batch in list(self._flight.items()):  # the last epoch's: never delivered
+                    if self._stale(batch) and (batch.done or batch.slot is None):
+                        del self._flight[key]  # a delivered-to-be batch's lease goes with it
+                # a schema being learnt still serves; a failure to learn it is dropped
+                self._queue = [batch for batch in self._queue if not self._stale(batch)]
         self._fill()
 
     def _fill(self, create: bool = True, waiting: bool = False) -> None:
@@ -475,11 +488,89 @@ class SampleParallelIter(_PoolIter):
             except StopIteration:
                 self._exhausted = True
                 break
-            batch = _Batch(self._epoch, self._send_idx, index)
+            self._add_batch(index)
+        if self._exhausted:
+            self._send_ahead()
+        self._dispatch(create, waiting)
+
+    def _add_batch(self, index) -> None:
+        batch = _Batch(self._epoch, self._send_idx, index)
+        self._flight[(batch.epoch, batch.idx)] = batch
+        self._queue.append(batch)
+        self._send_idx += 1
+
+    # NOTE [ The next epoch's first batches ]
+    #   With prefetch_next_epoch=True (persistent workers), once the epoch's sampler iterator has
+    #   raised StopIteration the main process forecasts the next epoch's first `depth` batches of
+    #   indices (epochs.make: a copy of the batch sampler, no real sampler or global RNG touched;
+    #   NOTE [ Cross-epoch prefetch ] in epochs.py) and sends them as batches of their own, tagged
+    #   with the negative next epoch, as this epoch's batches are delivered: as many batches are in
+    #   flight across the boundary as within an epoch.  Their rows are seeded as the next epoch's
+    #   (rows.sample_seed with the epoch's number), so a batch kept is the batch that epoch would
+    #   have fetched.  At the next iter() the real sampler is drawn as always, and each forecast
+    #   batch is kept, in order, while its indices are the real ones (epochs.matches); from the
+    #   first that differs on, the rest are dropped (their slots go back once their rows are in)
+    #   and the real batches are sent.  Workers keep no state between rows in this mode (each row
+    #   is seeded on its own), so nothing has to be undone in them.  A dropped batch is never
+    #   delivered; a kept one is delivered at its turn, its failure raised at its turn.
+
+    def _stale(self, batch: _Batch) -> bool:
+        """Whether `batch` will never be delivered: dropped, or of an epoch other than this one
+        (its own or, sent ahead and kept, tagged -epoch; or sent ahead for the next one)."""
+        if batch.dropped:
+            return True
+        if batch.epoch >= 0:
+            return batch.epoch != self._epoch
+        return batch.epoch != -self._epoch and batch.epoch != -(self._epoch + 1)
+
+    def _send_ahead(self) -> None:
+        """This epoch's indices are all drawn: send the next epoch's forecast batches, while fewer
+        than `depth` batches are in flight (the forecast is made at the first call)."""
+        if not self._ahead_on or self._shutdown:
+            return
+        if self._forecast is None or self._forecast.epoch != self._epoch + 1:
+            self._forecast = epochs.make(self._index_sampler, self._depth, self._epoch + 1, dataset=self._dataset)
+            self._ahead = []
+            if self._forecast is None:
+                self._forecast = epochs.Forecast(self._epoch + 1, [])  # not forecastable: tried once
+        forecast = self._forecast
+        while len(self._ahead) < len(forecast) and len(self._flight) < self._depth:
+            position = len(self._ahead)
+            batch = _Batch(-forecast.epoch, position, forecast.items[position])
             self._flight[(batch.epoch, batch.idx)] = batch
             self._queue.append(batch)
+            self._ahead.append(batch)
+
+    def _adopt_ahead(self) -> None:
+        """At the top of an epoch: draw from the sampler as many batches as were sent ahead and
+        keep those the sampler bears out, as a prefix; drop the rest (and any older ones)."""
+        ahead, forecast = self._ahead, self._forecast
+        self._ahead, self._forecast = [], None
+        for batch in self._flight.values():  # dropped unless kept below (also if the sampler raises)
+            if batch.epoch < 0:
+                batch.dropped = True
+        if forecast is None or forecast.epoch != self._epoch:
+            return
+        for position, batch in enumerate(ahead):
+            try:
+                index = self._next_index()
+            except StopIteration:
+                self._exhausted = True
+                break
+            if not forecast.agrees(position, index):
+                self._add_batch(index)  # the real batch, after the ones kept
+                break
+            batch.dropped = False
+            self._adopted[position] = batch
             self._send_idx += 1
-        self._dispatch(create, waiting)
+        self._prefetched += len(self._adopted)
+        if len(self._adopted) < len(ahead):
+            self._misses += 1
+
+    def _awaited_key(self) -> tuple[int, int]:
+        """The key of the batch the loop is to get next (one sent ahead and kept: tagged)."""
+        idx = self._rcvd_idx
+        return (-self._epoch, idx) if idx in self._adopted else (self._epoch, idx)
 
     def _dispatch(self, create: bool = True, waiting: bool = False) -> None:
         while self._queue:
@@ -490,7 +581,7 @@ class SampleParallelIter(_PoolIter):
                     self._send(_first_worker(batch.idx, len(batch.indices), self._num_workers),
                                Learn(batch.epoch, batch.idx, len(batch.indices), batch.indices[0]))
                 return
-            awaited = batch.epoch == self._epoch and batch.idx == self._rcvd_idx
+            awaited = (batch.epoch, batch.idx) == self._awaited_key()
             if not self._claim_slot(batch, create or awaited, waiting and awaited):
                 return
             self._queue.pop(0)
@@ -616,7 +707,7 @@ class SampleParallelIter(_PoolIter):
 
     def _complete(self, batch: _Batch) -> None:
         """Every chunk of `batch` is reported: publish and read it, or give its slot back."""
-        stale = batch.epoch != self._epoch
+        stale = self._stale(batch)
         kept_rows = self._kept_rows.pop((batch.slot, self._ring.task_geometry(batch.slot)[0]), None)
         if stale or batch.failure is not None:
             self._ring.unassign(batch.slot)  # WRITING -> FREE: no worker writes to it any more
@@ -626,7 +717,8 @@ class SampleParallelIter(_PoolIter):
                 return
             if not batch.relearnt and batch.failure.type_name in _SHAPE_ERRORS:  # NOTE [ A new shape ]
                 batch.slot, batch.first_row, batch.relearn, batch.relearnt = None, {}, True, True
-                later = [k for k, queued in enumerate(self._queue) if queued.idx > batch.idx]
+                order = (abs(batch.epoch), batch.idx)  # (an epoch's batches sent ahead come after this one's)
+                later = [k for k, queued in enumerate(self._queue) if (abs(queued.epoch), queued.idx) > order]
                 self._queue.insert(later[0] if later else len(self._queue), batch)  # in order
                 self._dispatch()
                 return
@@ -666,10 +758,11 @@ class SampleParallelIter(_PoolIter):
         while True:
             self._scheduler.replenish()
             self._read(0)
-            key = (self._epoch, self._rcvd_idx)
+            key = self._awaited_key()
             batch = self._flight.get(key)
             if batch is not None and batch.done:
                 del self._flight[key]
+                self._adopted.pop(self._rcvd_idx, None)
                 self._rcvd_idx += 1
                 self._fill(create=False)  # the next batches go on; new segments can wait
                 return batch
@@ -719,8 +812,11 @@ class SampleParallelIter(_PoolIter):
         return LoaderStats(ring_slots=ring.slots, reserved_bytes=ring.reserved_bytes, batches=self._batches,
                            in_place_bytes=self._in_place_bytes, control_bytes=pool.control_bytes if pool else 0,
                            control_messages=pool.control_messages if pool else 0, timing=None,
+                           prefetched_next_epoch=self._prefetched, forecast_misses=self._misses,
                            timing_off="not measured with sample_parallel=True", **shared)
 
     def _drop_buffered(self) -> None:
         self._flight.clear()  # batches read ahead, never delivered: their leases go
         self._queue.clear()
+        self._ahead.clear()
+        self._adopted.clear()

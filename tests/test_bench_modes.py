@@ -52,7 +52,7 @@ def test_mode_workloads_are_planned_apart():
     _, points, names = cli.plan(cli.build_parser().parse_args(["-w", "epochs,rows,transport"]))
     by = {p.workload: p for p in points}
     assert cli.transports_for(by["epochs"], names) == [
-        "torch-shm", "shmloader", "shmloader-epoch-prefetch"]
+        "torch-shm", "shmloader", "shmloader-epoch-prefetch", "shmloader-rows-epoch-prefetch"]
     assert cli.transports_for(by["rows"], names) == ["torch-shm", "shmloader", "shmloader-rows",
                                                     "work-only"]
     assert not set(cli.transports_for(by["transport"], names)) & set(cli.MODE_ONLY)
@@ -91,6 +91,7 @@ def test_epochs_quick_end_to_end(tmp_path, capfd):
     if _check_mode_transport(p["transports"]["shmloader-epoch-prefetch"],
                              "prefetch_next_epoch"):
         ran.append("shmloader-epoch-prefetch")
+        ran.append("shmloader-rows-epoch-prefetch")  # (both modes, which combine)
     for tn in ran:
         assert "repeats" in p["transports"][tn], (tn, p["transports"][tn], doc["warnings"])
         (r,) = p["transports"][tn]["repeats"]

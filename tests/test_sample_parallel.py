@@ -270,10 +270,10 @@ def test_state_dict_says_there_is_none_and_loading_it_starts_afresh_with_a_warni
     copy.deepcopy(again)
 
 
-def test_prefetch_next_epoch_is_refused_with_a_clear_error():
-    with pytest.raises(ValueError, match=r"sample_parallel=True does not fetch across.*prefetch_next_epoch"):
-        ShmDataLoader(Arrays(), batch_size=2, num_workers=2, persistent_workers=True,
-                      sample_parallel=True, prefetch_next_epoch=True)
+def test_prefetch_next_epoch_needs_persistent_workers_here_too():
+    """The two modes combine (tests/test_sample_parallel_epochs.py), with persistent workers only."""
+    with pytest.raises(ValueError, match=r"prefetch_next_epoch=True .* needs persistent_workers=True"):
+        ShmDataLoader(Arrays(), batch_size=2, num_workers=2, sample_parallel=True, prefetch_next_epoch=True)
 
 
 def test_unsupported_sample_is_a_clear_error_at_the_first_batch():
