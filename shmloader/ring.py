@@ -164,7 +164,14 @@ SHRINK_ABOVE = 2
 SPARES_MADE_WAIT_SECONDS = 2.0  # _check_fits: at most this for spares being made
 MIN_FITTED_SLOTS = 2  # NOTE [ A ring fitted to /dev/shm ]: the least room a ring runs in without overflow
 FITTED_BELOW = 0.8  # NOTE [ Held batches of varying size ]: the mean fill of a slot that sizes its batches
-TRIM_SLOTS = os.environ.get("SHMLOADER_TRIM_SLOTS", "1") != "0"  # NOTE [ A slot's pages follow its batch ]
+
+
+def trim_slots_on() -> bool:
+    """SHMLOADER_TRIM_SLOTS=0 keeps slots whole (NOTE [ A slot's pages follow its batch ]); read
+    when a ring is made, i.e. at each iter() that starts workers, as SHMLOADER_TIMING is."""
+    return os.environ.get("SHMLOADER_TRIM_SLOTS", "1") != "0"
+
+
 _populate_works: bool | None = None  # MADV_POPULATE_WRITE, found out once (Linux >= 5.14)
 
 # The main process's view of a slot (the header's state word has WRITING/READY in between).
@@ -274,6 +281,7 @@ class Ring:
         # segment, as its writer's Ready said), and whether trims may be granted
         self._pages_end: dict[int, int] = {}
         self.trims_allowed = False  # the default mode's iterator allows them (one writer per slot)
+        self._trim_slots = trim_slots_on()
         self._trimmed = 0
         self._leases = 0  # batches leased so far
         self._detached_at = None  # self._leases at the latest detach, None before any
@@ -601,7 +609,7 @@ class Ring:
         segment = self._segments[slot]
         if segment is None:
             return 0, False
-        trim = (self.trims_allowed and TRIM_SLOTS and segment.before_unmap is None
+        trim = (self.trims_allowed and self._trim_slots and segment.before_unmap is None
                 and segment not in self._overflow and self._sizes_vary() and _populate_supported(segment))
         return self._pages_end.get(slot, 0), trim
 

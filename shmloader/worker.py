@@ -360,6 +360,7 @@ class _Worker:
         # pages end: those past were given back); the generation granted leave to give them back
         self.pages_end: dict[int, tuple[int, int]] = {}
         self.may_trim: dict[int, int] = {}
+        self.short_of_pages: int | None = None  # _ready_to_write: a slot whose pages could not be taken back
         self.pending: collections.deque[tuple[tuple, list[int]]] = collections.deque()
         self.rewind_points: dict[tuple[int, int], tuple] = {}  # tasks sent ahead -> RNG states before
         # NOTE [ Samples born in the slot ] in samples_in_slot.py
@@ -515,10 +516,17 @@ class _Worker:
 
     def _next_grant(self, idx: int, upto: int | None = None) -> tuple[int, int, int, int]:
         """A granted slot, ready for writing its first `upto` bytes (all without `upto`); reads
-        (and keeps, in order) other messages while waiting for one."""
+        (and keeps, in order) other messages while waiting for one.  With `upto` (the batch's
+        size is known, its writer can take a new segment), a slot whose pages could not be taken
+        back is in `self.short_of_pages` instead of a ShmCapacityError."""
         while not self.grants:
             self._receive_while_waiting()
-        return self._ready_to_write(self.grants.popleft(), upto)
+        return self._ready_to_write(self.grants.popleft(), upto, regrow=upto is not None)
+
+    # A grant in `short_of_pages` (its slot's pages given back could not be taken back: /dev/shm
+    # is full) gets a new segment for its batch from whoever uses it first: segment_for() (samples
+    # fetched into the slot, a collate_fn's arena) or _task() (the batch written); neither writes
+    # to the old segment's missing pages, which would be a SIGBUS.
 
     def grant_now(self) -> tuple[int, int, int, int] | None:
         """A granted slot if one is in hand or already waiting on the socket, without waiting."""
@@ -527,13 +535,17 @@ class _Worker:
             if not readable:
                 return None
             self._receive_while_waiting()
-        return self._ready_to_write(self.grants.popleft())
+        return self._ready_to_write(self.grants.popleft(), regrow=True)
 
-    def _ready_to_write(self, grant: tuple[int, int, int, int], upto: int | None = None) -> tuple[int, int, int, int]:
+    def _ready_to_write(self, grant: tuple[int, int, int, int], upto: int | None = None,
+                        regrow: bool = False) -> tuple[int, int, int, int]:
         """`grant`, the pages of its slot's first `upto` bytes (all without `upto`) that were given
         back after an earlier, smaller batch taken back first (NOTE [ A slot's pages follow its
-        batch ] in ring.py); where /dev/shm has no room for them, the grant stays this worker's
-        and the batch fails with a ShmCapacityError."""
+        batch ] in ring.py).  Where /dev/shm has no room for them: with `regrow`, the grant with
+        its slot in `short_of_pages` (the caller writes the batch into a new segment, outside
+        /dev/shm if need be, as a growing slot's); else the grant stays this worker's and the
+        batch fails with a ShmCapacityError."""
+        self.short_of_pages = None
         slot, generation, capacity, _hint = grant
         known = self.pages_end.get(slot)
         if known is None or known[0] != generation or not capacity:
@@ -545,12 +557,18 @@ class _Worker:
         try:
             self.segments[slot][1].populate(end, target - end)
         except OSError as exc:
+            if exc.errno not in (errno.EFAULT, errno.ENOMEM, errno.ENOSPC):
+                self.grants.appendleft(grant)
+                raise
+            if regrow:
+                self.short_of_pages = slot
+                return grant
             self.grants.appendleft(grant)
-            if exc.errno in (errno.EFAULT, errno.ENOMEM, errno.ENOSPC):
-                raise ShmCapacityError(target - end, shm_free_bytes(), SHM_DIR,
-                                       f"slot {slot} of the ring, taking back the pages past its "
-                                       f"earlier, smaller batch,") from exc
-            raise
+            error = ShmCapacityError(target - end, shm_free_bytes(), SHM_DIR,
+                                     f"slot {slot} of the ring, taking back the pages past its "
+                                     f"earlier, smaller batch,")
+            error.taking_pages_back = True  # (the stage the worker names: not a new slot)
+            raise error from exc
         if target < capacity:
             self.pages_end[slot] = (generation, target)
         else:
@@ -701,7 +719,15 @@ class _Worker:
                 # The arena's blocks hold more than the batch (temporaries): lay the batch out
                 # from the slot's start instead, what lies in the slot copied out first.
                 plan, sources_in_slot = layout.plan_batch(batch), True
-            if segment is None or plan.total_bytes > segment.size:
+            if self.short_of_pages is not None and self.short_of_pages == slot:
+                # its pages given back could not be taken back (/dev/shm is full): a new segment,
+                # outside /dev/shm where it has no room (NOTE [ A slot's pages follow its batch ])
+                self.short_of_pages = None
+                size = segment.size if plan.total_bytes <= segment.size else slot_capacity(plan.total_bytes, segment.size, hint)
+                segment = grown = self.new_segment(grant, size)  # (on an error the grant stays ours)
+                generation = granted + 1
+                self.pages_end.pop(slot, None)  # (those of the segment it replaces)
+            elif segment is None or plan.total_bytes > segment.size:
                 if guessed and not self.guess_padded and plan.total_bytes + arena_slack(plan) <= guesses[1]:
                     self.guess_padded = True  # a padding collate_fn: its next guesses count it
                 elif guessed:  # the collate_fn makes more than its samples' bytes, padded
@@ -771,7 +797,9 @@ class _Worker:
             if isinstance(exc, ShmCapacityError) and stage != STAGES[WRITING]:
                 # the slot is made where the batch first needs it: while its samples are
                 # fetched into it, or collated into it, not by the dataset's code
-                stage = f"creating the shared-memory slot for its batch, {stage.split(' (')[0]}"
+                doing = ("taking back the pages of its shared-memory slot" if getattr(exc, "taking_pages_back", False)
+                         else "creating the shared-memory slot for its batch")
+                stage = f"{doing}, {stage.split(' (')[0]}"
             self.channel.send(Failed(epoch, idx, stage, exception_payload(exc)))
         finally:
             if arena is not None or (in_slot is self.samples_in_slot and in_slot.arenas):
@@ -832,6 +860,10 @@ class _Worker:
         (a worker's new segment is the granted generation + 1, adopted with its Ready), or
         (None, None) when neither says a size."""
         slot, generation, capacity, hint = grant
+        if capacity and self.short_of_pages == slot:  # (see grant_now)
+            self.short_of_pages = None
+            fresh = self.new_segment(grant, max(capacity, page_round(min_bytes)))
+            return fresh, fresh
         if capacity and capacity >= min_bytes:
             return self.segments[slot][1], None
         if not (hint or min_bytes):

@@ -3,7 +3,8 @@ slot's pages follow its batch ] in shmloader/ring.py): a size-bucketing batch sa
 come out as torch's, the shared memory the loader holds while the loop runs stays well under what
 slots kept whole hold, equal batches give nothing back, and a slot is never given back where that
 is unsafe (page-locked for CUDA, a kernel without MADV_POPULATE_WRITE); a worker that cannot take
-the pages back fails that batch with a ShmCapacityError and keeps its grant."""
+the pages back writes its batch into a new segment where it knows the batch's size (torch's default
+collate), else fails that batch with a ShmCapacityError and keeps its grant."""
 
 from __future__ import annotations
 
@@ -17,8 +18,9 @@ from torch.utils.data import DataLoader, Dataset
 
 import shmloader.ring as ring_module
 from shmloader import ShmCapacityError, ShmDataLoader
+from shmloader import worker as worker_module
 from shmloader.ring import Ring
-from shmloader.segment import create_segment, trimmed_end
+from shmloader.segment import create_segment, page_round, trimmed_end
 from shmloader.worker import _Worker
 
 from ._helpers import assert_same_batches, collect
@@ -79,7 +81,7 @@ def test_bucketed_batches_are_torchs_and_hold_their_own_pages(monkeypatch):
     assert_same_batches(got, want)
     assert stats.pages_given_back >= batches // 4, stats
 
-    monkeypatch.setattr(ring_module, "TRIM_SLOTS", False)  # slots kept whole, as before
+    monkeypatch.setenv("SHMLOADER_TRIM_SLOTS", "0")  # slots kept whole, as before (read at iter())
     whole_peak, got_whole, whole_stats = _peak_shm_of_a_loop(Buckets(WIDE, batches), batches)
     assert_same_batches(got_whole, want)
     assert whole_stats.pages_given_back == 0
@@ -146,6 +148,7 @@ def _worker_with(segment, pages_end) -> _Worker:
     worker.pages_end = {3: (7, pages_end)}
     worker.segments = {3: (7, segment)}
     worker.grants = collections.deque()
+    worker.short_of_pages = None
     return worker
 
 
@@ -168,8 +171,58 @@ def test_no_room_to_take_pages_back_fails_the_batch_and_keeps_the_grant():
     worker = _worker_with(_Pages(full=True), MiB)
     with pytest.raises(ShmCapacityError, match="slot 3 of the ring, taking back the pages") as info:
         worker._ready_to_write(grant)
-    assert info.value.needed == 3 * MiB
+    assert info.value.needed == 3 * MiB and info.value.taking_pages_back  # (the stage the worker names)
     assert list(worker.grants) == [grant] and worker.pages_end[3] == (7, MiB)  # tried again next batch
+
+
+def test_no_room_to_take_pages_back_for_a_batch_of_known_size_asks_for_a_new_segment():
+    grant = (3, 7, 4 * MiB, 0)
+    worker = _worker_with(_Pages(full=True), MiB)
+    assert worker._ready_to_write(grant, upto=2 * MiB, regrow=True) == grant
+    assert worker.short_of_pages == 3 and worker.pages_end[3] == (7, MiB)  # taken back from: unchanged
+    assert not worker.grants  # this batch's to write (into a new segment)
+    worker.segments[3][1].full = False
+    assert worker._ready_to_write(grant, upto=2 * MiB, regrow=True) == grant and worker.short_of_pages is None
+
+
+def test_a_slot_whose_pages_cannot_be_taken_back_gets_a_new_segment(monkeypatch, tmp_path):
+    """/dev/shm full when a writer takes back its slot's pages (another process took them): the
+    batch goes into a new segment for the slot, as a growing slot's (outside /dev/shm where it has
+    no room), never into the missing pages, and the loop gets torch's batches, no error."""
+    real_ready, real_new_segment = worker_module._Worker._ready_to_write, worker_module._Worker.new_segment
+    log = tmp_path / "events"
+
+    def note(event: str, slot: int) -> None:
+        with open(log, "a") as f:  # (one short line per write: the workers' lines do not mix)
+            f.write(f"{os.getpid()} {event} {slot}\n")
+
+    def no_room_to_take_back(self, grant, upto=None, regrow=False):
+        slot, generation, capacity, _ = grant
+        known = self.pages_end.get(slot)
+        if (regrow and capacity and known is not None and known[0] == generation
+                and min(capacity, page_round(upto or capacity)) > known[1]):
+            self.short_of_pages = slot  # as _ready_to_write says it for ENOSPC / EFAULT
+            note("short", slot)
+            return grant
+        return real_ready(self, grant, upto, regrow)
+
+    def new_segment(self, grant, capacity):
+        note("new", grant[0])
+        return real_new_segment(self, grant, capacity)
+
+    monkeypatch.setattr(worker_module._Worker, "_ready_to_write", no_room_to_take_back)  # (forked workers)
+    monkeypatch.setattr(worker_module._Worker, "new_segment", new_segment)
+    batches = 30
+    want = collect(DataLoader(Samples(), batch_sampler=Buckets(WIDE, batches), num_workers=2))
+    _, got, stats = _peak_shm_of_a_loop(Buckets(WIDE, batches), batches)
+    assert_same_batches(got, want)
+    events = [line.split() for line in log.read_text().splitlines()] if log.exists() else []
+    shorts = [k for k, (_, event, _) in enumerate(events) if event == "short"]
+    assert stats.pages_given_back > 0 and len(shorts) >= 2, (events, stats)
+    for k in shorts:  # that worker's next event: a new segment for that slot
+        pid, _, slot = events[k]
+        following = [e for e in events[k + 1:] if e[0] == pid]
+        assert following and following[0] == [pid, "new", slot], (k, events)
 
 
 def test_taking_pages_back_makes_them_writable():
