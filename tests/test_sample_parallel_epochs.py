@@ -13,6 +13,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from shmloader import ShmDataLoader
 from tests._helpers import assert_same_batches
+from tests.test_epoch_prefetch import Failing  # index 3 raises KeyError
 
 pytestmark = [
     pytest.mark.timeout(120),
@@ -59,16 +60,6 @@ class Shapes(Dataset):
 
     def __getitem__(self, i):
         return np.full(4 if i < 8 else 6, i, np.int64)
-
-
-class Failing(Dataset):
-    def __len__(self):
-        return 24
-
-    def __getitem__(self, i):
-        if i == 3:
-            raise KeyError(f"no sample {i}")
-        return np.full(3, i, np.int64)
 
 
 def epochs_of(loader, epochs=EPOCHS, between=None) -> list[list]:
