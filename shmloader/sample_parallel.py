@@ -481,8 +481,13 @@ class SampleParallelIter(_PoolIter):
     def _fill(self, create: bool = True, waiting: bool = False) -> None:
         """Draw batches up to the in-flight depth and send what can be sent (without `create`,
         only into slots that have a segment: making one waits until the loop must wait anyway).
-        `waiting`: the loop is about to wait for its next batch (NOTE [ A full ring under a cap ])."""
-        while not self._exhausted and len(self._flight) < self._depth:
+        `waiting`: the loop is about to wait for its next batch (NOTE [ A full ring under a cap ]).
+
+        Batches that will never be delivered (an epoch left early) do not count against the
+        depth: they hold their slots until their rows are in, but drawing does not wait for them,
+        so an iter() draws from the sampler what it always draws, whatever the timing, as torch's
+        iter() does (a RandomSampler draws its permutation at its first batch)."""
+        while not self._exhausted and self._live_batches() < self._depth:
             try:
                 index = self._next_index()
             except StopIteration:
@@ -492,6 +497,10 @@ class SampleParallelIter(_PoolIter):
         if self._exhausted:
             self._send_ahead()
         self._dispatch(create, waiting)
+
+    def _live_batches(self) -> int:
+        """Batches in flight that are to be delivered (not stale)."""
+        return sum(1 for batch in self._flight.values() if not self._stale(batch))
 
     def _add_batch(self, index) -> None:
         batch = _Batch(self._epoch, self._send_idx, index)
@@ -534,7 +543,7 @@ class SampleParallelIter(_PoolIter):
             if self._forecast is None:
                 self._forecast = epochs.Forecast(self._epoch + 1, [])  # not forecastable: tried once
         forecast = self._forecast
-        while len(self._ahead) < len(forecast) and len(self._flight) < self._depth:
+        while len(self._ahead) < len(forecast) and self._live_batches() < self._depth:
             position = len(self._ahead)
             batch = _Batch(-forecast.epoch, position, forecast.items[position])
             self._flight[(batch.epoch, batch.idx)] = batch

@@ -9,6 +9,7 @@ import copy
 import os
 import pickle
 import signal
+import time
 
 import numpy as np
 import pytest
@@ -585,3 +586,36 @@ def test_stats_say_why_timing_is_none():
     assert stats.timing is None and stats.timing_off == "not measured with sample_parallel=True"
     assert "timing: off (not measured with sample_parallel=True)" in str(stats)
     assert LoaderStats.from_dict(stats.as_dict()) == stats
+
+
+class SlowIndex(Dataset):
+    """Each sample is its index, after 50 ms: batches in flight are still being fetched when the
+    loop leaves an epoch."""
+
+    def __len__(self):
+        return 40
+
+    def __getitem__(self, i):
+        time.sleep(0.05)
+        return i
+
+
+def test_an_epoch_left_early_does_not_move_the_next_epochs_draws():
+    """The loop leaves epoch 1 after 3 batches (the next ones still being fetched), calls iter() for
+    epoch 2 and takes nothing, then runs epoch 3: torch's iter() draws from the sampler at once
+    (the permutation of a shuffled epoch), so epoch 3 is torch's only if this mode's iter() draws
+    then too, not once the abandoned batches are in."""
+    def first_batches(cls):
+        loader = cls(SlowIndex(), batch_size=3, shuffle=True, num_workers=2, persistent_workers=True,
+                     generator=torch.Generator().manual_seed(77),
+                     **({"sample_parallel": True} if cls is ShmDataLoader else {}))
+        out = []
+        for stop in (3, 0, 2):
+            it = iter(loader)
+            out.append([batch.tolist() for _, batch in zip(range(stop), it)])
+        del it
+        if cls is DataLoader:
+            loader._iterator._shutdown_workers()
+        return out
+
+    assert first_batches(ShmDataLoader) == first_batches(DataLoader)
