@@ -6,10 +6,18 @@ time, never a wrong batch."""
 
 from __future__ import annotations
 
+import random
+
 import numpy as np
 import pytest
 import torch
-from torch.utils.data import DataLoader, Dataset, DistributedSampler
+from torch.utils.data import (
+    DataLoader,
+    Dataset,
+    DistributedSampler,
+    SubsetRandomSampler,
+    WeightedRandomSampler,
+)
 
 from shmloader import ShmDataLoader
 from tests._helpers import assert_same_batches
@@ -243,3 +251,54 @@ def test_a_sampler_that_raises_at_the_next_iter_after_batches_were_sent_ahead():
     got, loader = run(ShmDataLoader, prefetch_next_epoch=True)
     assert_same_epochs(got, want)
     assert loader.stats().prefetched_next_epoch > 0
+
+
+def _random_case(seed: int) -> tuple[dict, list]:
+    """A loader configuration and, per epoch, where the loop leaves it (None: at its end)."""
+    rng = random.Random(seed)
+    kind = rng.choice(["shuffle", "sequential", "weighted", "subset", "distributed"])
+    kwargs = dict(num_workers=rng.choice([1, 2, 3]), prefetch_factor=rng.choice([1, 2, 4]),
+                  batch_size=rng.choice([1, 3, 8]), drop_last=rng.random() < 0.3, seed=seed)
+    if kind == "shuffle":
+        kwargs["shuffle"] = True
+    elif kind == "weighted":
+        kwargs["sampler"] = lambda gen: WeightedRandomSampler(torch.linspace(0.1, 2.0, 30), 25, generator=gen)
+    elif kind == "subset":
+        kwargs["sampler"] = lambda gen: SubsetRandomSampler(range(3, 27), generator=gen)
+    elif kind == "distributed":
+        kwargs["sampler"] = lambda gen: DistributedSampler(Noisy(30), num_replicas=2, rank=seed % 2, seed=seed)
+    leave = [rng.choice([None, None, rng.randint(0, 4)]) for _ in range(EPOCHS)]
+    return kwargs, leave
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_random_configurations_give_the_batches_of_the_mode_without_it(seed):
+    """Samplers, workers, prefetch factors, batch sizes, drop_last and epochs left early (or
+    an iter() with no next()) drawn at random: the same batches with and without prefetch, and
+    torch's indices where no epoch is left early (torch's order then depends on its own prefetch)."""
+    kwargs, leave = _random_case(seed)
+
+    def run(cls, **extra):
+        options = dict(kwargs, **extra)
+        gen = torch.Generator().manual_seed(options.pop("seed"))
+        make_sampler = options.pop("sampler", None)
+        if make_sampler is not None:
+            options["sampler"] = make_sampler(gen)
+        loader = make(Noisy(30), cls=cls, generator=gen, **options)
+        epochs = []
+        for epoch, stop in enumerate(leave):
+            if isinstance(loader.sampler, DistributedSampler):
+                loader.sampler.set_epoch(epoch)
+            it = iter(loader)
+            epochs.append([batch for _, batch in zip(range(stop if stop is not None else 1 << 30), it)])
+        del it
+        return epochs, loader
+
+    want, _ = run(ShmDataLoader)
+    got, loader = run(ShmDataLoader, prefetch_next_epoch=True)
+    assert_same_epochs(got, want)
+    if all(stop is None for stop in leave):
+        order, ref = run(DataLoader)
+        assert [[b["index"].tolist() for b in e] for e in got] == [[b["index"].tolist() for b in e] for e in order]
+        ref._iterator._shutdown_workers()
+        assert loader.stats().prefetched_next_epoch > 0 or len(want[0]) == 0
