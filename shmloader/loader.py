@@ -267,20 +267,11 @@ class ShmDataLoader(DataLoader[_T_co]):
         """Where the loader is in its epoch, to resume there later with load_state_dict(), in this
         process or another (torchdata's StatefulDataLoader contract; NOTE [ Resuming mid-epoch ]
         in state.py).  Before any iteration it starts the iterator that the next iter() uses."""
-        if self.sample_parallel and self.num_workers > 0:
-            from .sample_parallel import no_state
-
-            return no_state()  # NOTE there
         return state.loader_state_dict(self)
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Make the next iter() resume from `state_dict` (from state_dict() of a loader built with
         the same arguments); a state it cannot resume from is a ValueError saying why."""
-        if self.sample_parallel and self.num_workers > 0:
-            from .sample_parallel import load_no_state
-
-            load_no_state(state_dict)  # NOTE there
-            return
         state.load_loader_state(self, state_dict)
 
     def stats(self) -> LoaderStats | None:

@@ -123,7 +123,21 @@ NOTE [ Rows born in place ]
   next epoch's first batches ahead (NOTE [ The next epoch's first batches ]).  persistent_workers, timeout,
   pin_memory (the slots are page-locked as in the default mode), held batches (list(loader):
   NOTE [ Held batches ] in ring.py) and stats() work as in the default mode (stats().timing is
-  None; in_place_bytes counts rows born in place); in_order=False delivers in order anyway; no loader state (state_dict() says so, load_state_dict() warns and starts afresh: below).
+  None; in_place_bytes counts rows born in place); in_order=False delivers in order anyway; state_dict() / load_state_dict() resume mid-epoch
+  (below).
+
+NOTE [ Resuming a sample-parallel epoch ]
+  The default mode's state (NOTE [ Resuming mid-epoch ] in state.py, the same IterState hooks:
+  the RNG states at the epoch's start, the sampler's position as of each batch drawn and
+  delivered, the base seed), plus what this mode seeds rows with: the iterator's epoch count
+  (`epoch` in the state).  A resumed iterator takes the saved base seed before its workers
+  start, replays the sampler to batch k, and numbers its epoch and its batches from the saved
+  ones, so batch k's row r is seeded as it was (rows.sample_seed(base_seed, e, k, r)) and the
+  resumed run yields the uninterrupted run's batches, random augmentations included, at any
+  num_workers >= 1.  What it cannot save: a dataset's own state (torchdata's protocol), since
+  every worker fetches rows of every batch and no one worker's state is the dataset's; state_dict()
+  saves the position and warns.  A state of one mode is refused by the other (`sample_parallel`
+  in the state's loader configuration): the two seed random augmentations differently.
 """
 
 from __future__ import annotations
@@ -131,12 +145,11 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
-import warnings
 
 import torch
 from torch.utils.data import IterableDataset, default_collate
 
-from . import epochs, rows
+from . import epochs, rows, state
 from ._ring import HEADER_BYTES, SlotArena
 from .errors import LoaderTimeoutError, SlotProtocolError
 from .interrupts import ctrl_c_held
@@ -180,26 +193,6 @@ def check_loader(loader) -> None:
         raise ValueError(
             f"sample_parallel=True writes each sample's rows as torch's default_collate stacks them, "
             f"so it needs the default collate_fn; got collate_fn={loader.collate_fn!r}: {_USE_DEFAULT}")
-
-
-# No loader state in this mode yet.  state_dict() still answers, with a state that says so, because
-# the integrations call it on every loader that has it (Lightning's checkpoints through a Protocol
-# check, accelerate's DataLoaderShard on each batch through hasattr): a method that raised would
-# stop their training.  load_state_dict() of any state warns that the loader starts afresh, which
-# is what they do with torch's DataLoader, which has no state.
-_NO_STATE = "shmloader sample_parallel: no loader state"
-
-
-def no_state() -> dict:
-    return {"kind": _NO_STATE}
-
-
-def load_no_state(saved: dict) -> None:
-    if saved == {}:
-        return  # torchdata's "start afresh"
-    warnings.warn(f"sample_parallel=True keeps no loader state yet, so the loader cannot resume where "
-                  f"it was saved: its next iter() starts an epoch afresh, as torch's DataLoader "
-                  f"does; {_USE_DEFAULT} to save and resume mid-epoch", stacklevel=3)
 
 
 # A row of one of these did not fit its batch's layout (NOTE [ A new shape ])
@@ -402,18 +395,19 @@ class _Batch:
         self.relearnt = False  # (once per batch: NOTE [ A new shape ])
 
 
-class _NotResumable:
-    """What state.start_epoch reads of an iterator (this mode keeps no resumable state)."""
-
-    finished = False
-
-
 class SampleParallelIter(_PoolIter):
     """The iterator of `sample_parallel=True` (NOTE [ Samples of one batch over the workers ])."""
 
     def __init__(self, loader) -> None:
         super().__init__(loader)
-        self._resumable = _NotResumable()
+        # NOTE [ Resuming a sample-parallel epoch ]; a loaded state's seed, before the workers start
+        self._resumable = state.IterState.attach(self, loader)
+        self._resumable.in_order = True  # batches come in order in this mode, whatever in_order says
+        if state.is_stateful(self._dataset):
+            self._resumable.unsaved = (
+                f"sample_parallel=True saves the loader's position but not the state of the dataset "
+                f"({type(self._dataset).__name__} has state_dict/load_state_dict): its rows are fetched by "
+                f"all the workers, so there is no one worker's state to save; {_USE_DEFAULT} to save it too")
         self._depth = max(2, loader.prefetch_factor)  # batches in flight
         self._schemas: _Schemas | None = None  # the layout of the batches to come
         self._sent_schemas: _Schemas | None = None  # the one the workers have (NOTE [ A new shape ])
@@ -461,6 +455,7 @@ class SampleParallelIter(_PoolIter):
     # -- epochs and dispatch -----------------------------------------------------------------------
 
     def _reset(self, loader, first_iter=False) -> None:
+        self._resumable.before_epoch(loader, first_iter)  # the RNG states the sampler starts from
         super()._reset(loader, first_iter)
         self._send_idx = 0
         self._rcvd_idx = 0
@@ -468,6 +463,12 @@ class SampleParallelIter(_PoolIter):
         self._adopted = {}
         if not first_iter:
             self._epoch += 1
+        resumed = self._resumable.before_prime(self, loader, first_iter)  # the sampler replayed to batch k
+        if resumed is not None:  # NOTE [ Resuming a sample-parallel epoch ]
+            self._epoch = resumed["epoch"]
+            self._send_idx = self._rcvd_idx = resumed["batches_yielded"]
+        self._resumable.epoch = self._epoch
+        if not first_iter:
             try:
                 self._adopt_ahead()  # (the sampler may raise, as torch's iter() raises it)
             finally:
@@ -497,6 +498,11 @@ class SampleParallelIter(_PoolIter):
         if self._exhausted:
             self._send_ahead()
         self._dispatch(create, waiting)
+
+    def _next_index(self):
+        index = super()._next_index()
+        self._resumable.on_index(self)  # the sampler's position as of batch _send_idx
+        return index
 
     def _live_batches(self) -> int:
         """Batches in flight that are to be delivered (not stale)."""
@@ -752,6 +758,7 @@ class SampleParallelIter(_PoolIter):
             if not getattr(exc, _RESUMABLE, False):  # NOTE [ Ctrl-C in the wait ] in loader.py
                 self._break(exc)
             raise
+        self._resumable.on_delivered(batch.idx, self._num_workers - 1, batch.failure is None)
         if batch.failure is None:
             self._batches += 1
             return batch.data
@@ -761,6 +768,9 @@ class SampleParallelIter(_PoolIter):
             if batch.fatal:  # no schema can be learnt: every batch would fail
                 self._break(exc)
             raise
+
+    def _next_in_turn(self):
+        return self._resumable.next(self, super()._next_in_turn)  # marks the epoch's end
 
     def _next_batch(self) -> _Batch:
         deadline = time.monotonic() + self._timeout if self._timeout > 0 else None

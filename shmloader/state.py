@@ -56,7 +56,7 @@ from .torch_private import DatasetKind as _DatasetKind
 from .torch_private import InfiniteConstantSampler as _InfiniteConstantSampler
 from .torch_private import SingleProcessDataLoaderIter as _SingleProcessDataLoaderIter
 
-FORMAT = 2  # bump on any change to what a state holds or means; older ones are refused
+FORMAT = 3  # bump on any change to what a state holds or means; older ones are refused
 FIRST_INDEX = "first index"  # in-process: the sampler's generators were taken at its first index
 FORMAT_KEY = "shmloader_state_format"
 _TORCHDATA_KEYS = ("_snapshot", "_num_yielded", "_steps_since_snapshot", "_index_sampler_state")
@@ -217,6 +217,8 @@ def _config(loader) -> dict:
         "sampler_length": _len(loader.sampler) if is_map else None,
         "batches_per_epoch": _len(loader._index_sampler) if is_map else None,
         "sampler_generators": len(_sampler_generators(loader)),
+        # its workers seed each row, not each worker (in process, both modes are torch's)
+        "sample_parallel": bool(getattr(loader, "sample_parallel", False)) and loader.num_workers > 0,
     }
 
 
@@ -390,6 +392,8 @@ class IterState:
         self.main = {"yielded": 0, "index_sampler": None, "sampler_iter": None}
         self.yielded = 0  # indices (batches) drawn from the sampler this epoch
         self.rng: dict | None = None
+        self.epoch = 0  # the iterator's epoch count, which sample_parallel seeds rows with (0 otherwise)
+        self.unsaved: str | None = None  # a part of the state this iterator cannot save (warned)
         self.steps = 0
         self.skip = 0
         self.finished = False
@@ -426,21 +430,25 @@ class IterState:
         if not first_iter:  # filled again by the persistent workers' "state" after "resume"
             self.workers = [None] * self.num_workers
 
-    def before_prime(self, it, loader, first_iter: bool) -> None:
-        """Before the first tasks are sent: resume a loaded state (sampler, turn, counters)."""
+    def before_prime(self, it, loader, first_iter: bool) -> dict | None:
+        """Before the first tasks are sent: resume a loaded state (sampler, turn, counters).
+        Returns the state resumed from (None if none), for what the iterator keeps itself."""
         self.len_called = it._IterableDataset_len_called
         saved, self.resume = self.resume, None
         if saved is None or not first_iter:  # the sampler's state at the epoch's start
             self.main = {"yielded": 0, "index_sampler": _state_of(it._index_sampler),
                          "sampler_iter": _state_of(it._sampler_iter)}
-            return
+            return None
         self._restore_main(it, loader, saved)
+        self.epoch = saved["epoch"]
         if self.skip:
-            return  # fast-forward from the epoch's start, worker 0 first
-        for _ in range(saved["last_worker"] + 1):
-            next(it._worker_queue_idx_cycle)
+            return saved  # fast-forward from the epoch's start, worker 0 first
+        turns = getattr(it, "_worker_queue_idx_cycle", None)  # (sample_parallel has no turns)
+        for _ in range(saved["last_worker"] + 1 if turns is not None else 0):
+            next(turns)
         if saved["epoch_finished"] and self.kind == _DatasetKind.Iterable:
             it._workers_status = [False] * it._num_workers  # nothing to prime: the next iter() starts afresh
+        return saved
 
     def _restore_main(self, it, loader, saved: dict) -> None:
         sampler = saved["sampler"]
@@ -545,6 +553,9 @@ class IterState:
             warnings.warn("ShmDataLoader with in_order=False gives no guarantee that a saved state "
                           "resumes where it was saved (nor does torchdata's StatefulDataLoader)",
                           UserWarning, stacklevel=3)
+        if self.unsaved is not None:  # once an iterator (accelerate may ask at every batch)
+            warnings.warn(self.unsaved, UserWarning, stacklevel=3)
+            self.unsaved = None
         if self.loaded is not None:
             return copy.copy(self.loaded)  # a fast-forward is pending: the state is the loaded one
         if self.before_saving is not None:
@@ -565,6 +576,7 @@ class IterState:
             "epoch_finished": self.finished,
             "batches_yielded": self.steps,
             "base_seed": self.base_seed,
+            "epoch": self.epoch,
             "iterable_len_called": self.len_called,
             "sampler": {**self.main, "rng": _rng_saved(self.rng)},
             "last_worker": self.last_worker,

@@ -128,8 +128,8 @@ class ImagesAndLabels(torch.utils.data.Dataset):
 @pytest.mark.timeout(120)
 def test_fit_with_sample_parallel_and_lightnings_default_checkpointing(L, tmp_path, no_leaks):
     """Lightning saves the state of every loader that has state_dict/load_state_dict in the
-    checkpoint it writes after each epoch; a sample_parallel loader has none yet and says so,
-    rather than fail fit() at the end of epoch 0."""
+    checkpoint it writes after each epoch: a sample_parallel loader's state goes in, and fit()
+    runs through both epochs with the batches torch's loader gives."""
     dataset = ImagesAndLabels()
     train = ShmDataLoader(dataset, batch_size=4, shuffle=True, num_workers=2, generator=seeded(3),
                           sample_parallel=True)
@@ -139,7 +139,10 @@ def test_fit_with_sample_parallel_and_lightnings_default_checkpointing(L, tmp_pa
                         default_root_dir=str(tmp_path))  # checkpointing left on, as by default
     trainer.fit(model, train_dataloaders=train)
     assert trainer.current_epoch == 2 and len(model.train_batches) == 8
-    assert list(tmp_path.rglob("*.ckpt")), "Lightning wrote no checkpoint"
+    checkpoints = list(tmp_path.rglob("*.ckpt"))
+    assert checkpoints, "Lightning wrote no checkpoint"
+    saved = repr(torch.load(checkpoints[0], weights_only=False))
+    assert "'shmloader_state_format'" in saved and "'sample_parallel': True" in saved, saved[:2000]
     ref = torch.utils.data.DataLoader(dataset, batch_size=4, shuffle=True, generator=seeded(3))
     assert [b["label"].tolist() for b in model.train_batches] == [b["label"].tolist() for b in collect(ref) + collect(ref)]
     del trainer, model, train

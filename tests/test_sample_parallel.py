@@ -5,9 +5,7 @@ default mode; clear errors for what the mode cannot do; no partial batch, no lea
 
 from __future__ import annotations
 
-import copy
 import os
-import pickle
 import signal
 import time
 
@@ -251,24 +249,6 @@ def test_a_collate_fn_set_after_construction_is_the_same_clear_error_at_iter():
     loader.collate_fn = lambda batch: batch  # torch's DataLoader allows it, and uses it
     with pytest.raises(ValueError, match=r"collate_fn.*use the default mode \(sample_parallel=False\)"):
         iter(loader)
-
-
-def test_state_dict_says_there_is_none_and_loading_it_starts_afresh_with_a_warning():
-    """No loader state in this mode yet. state_dict() answers (Lightning's checkpoints and
-    accelerate's DataLoaderShard call it on every loader that has it) with a state that says so;
-    loading any state warns that the loader starts an epoch afresh, as torch's DataLoader does."""
-    loader = ShmDataLoader(Arrays(), batch_size=2, num_workers=2, sample_parallel=True)
-    it = iter(loader)
-    next(it)
-    saved = loader.state_dict()
-    assert "no loader state" in saved["kind"]
-    del it
-    again = ShmDataLoader(Arrays(), batch_size=2, num_workers=2, sample_parallel=True)
-    with pytest.warns(UserWarning, match="keeps no loader state yet.*starts an epoch afresh"):
-        again.load_state_dict(pickle.loads(pickle.dumps(saved)))
-    assert_same_batches(collect(again), collect(DataLoader(Arrays(), batch_size=2)))
-    again.load_state_dict({})  # torchdata's "start afresh": no warning
-    copy.deepcopy(again)
 
 
 def test_prefetch_next_epoch_needs_persistent_workers_here_too():

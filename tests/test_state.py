@@ -16,6 +16,7 @@ from shmloader.state import FORMAT, FORMAT_KEY
 
 from . import _state_datasets as sds
 from ._launch import run_python
+from ._resume import interrupted, plain, uninterrupted
 
 torchdata_sdl = pytest.importorskip("torchdata.stateful_dataloader")
 td_sampler = pytest.importorskip("torchdata.stateful_dataloader.sampler")
@@ -30,43 +31,8 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning"),  # 3 workers, 2 cores
 ]
 
-EPOCHS = 3
 CONFIGS = [(0, False), (2, False), (2, True)]  # (num_workers, persistent_workers)
 CONFIG_IDS = ["in-process", "2-workers", "2-persistent"]
-
-
-def plain(batch):
-    """A batch as lists and numbers, comparable with == (and across processes)."""
-    if isinstance(batch, dict):
-        return {key: plain(value) for key, value in batch.items()}
-    if isinstance(batch, (list, tuple)):
-        return [plain(value) for value in batch]
-    return batch.tolist() if hasattr(batch, "tolist") else batch
-
-
-def uninterrupted(make, epochs: int = EPOCHS) -> list[list]:
-    loader = make()
-    got = [[plain(b) for b in loader] for _ in range(epochs)]
-    del loader
-    return got
-
-
-def interrupted(make, epoch: int, k: int, epochs: int = EPOCHS) -> tuple[list[list], dict]:
-    """Run `epoch` whole epochs and k batches of the next, save, and resume in a new loader built
-    by `make`: the batches of all `epochs` epochs as the two runs together yield them, and the
-    state."""
-    loader = make()
-    got = [[plain(b) for b in loader] for _ in range(epoch)]
-    iterator = iter(loader)
-    current = [plain(next(iterator)) for _ in range(k)]
-    state = copy.deepcopy(loader.state_dict())
-    del iterator, loader
-    resumed = make()
-    resumed.load_state_dict(state)
-    got.append(current + [plain(b) for b in resumed])
-    got += [[plain(b) for b in resumed] for _ in range(epoch + 1, epochs)]
-    del resumed
-    return got, state
 
 
 def check_against_torchdata(make_shm, make_td, saves) -> None:
