@@ -36,6 +36,7 @@ import collections
 import contextlib
 import dataclasses
 import itertools
+import operator
 import os
 import threading
 import time
@@ -150,6 +151,23 @@ class LoaderStats:
         return diagnosis.format_stats(self)
 
 
+def _counts(num_workers, prefetch_factor) -> tuple:
+    """(num_workers, prefetch_factor) as ints (a numpy int taken as torch takes it); a TypeError
+    naming the value for one that is not an integer (2.0, "2"): torch's DataLoader takes it and
+    fails later in its own code, with a message that names neither."""
+    counts = []
+    for name, value in (("num_workers", num_workers), ("prefetch_factor", prefetch_factor)):
+        if value is None and name == "prefetch_factor":
+            counts.append(None)
+            continue
+        try:
+            counts.append(operator.index(value))
+        except TypeError:
+            raise TypeError(f"{name} must be an int, got {value!r} ({type(value).__name__}); "
+                            f"pass {name}=int(...)") from None
+    return tuple(counts)
+
+
 class ShmDataLoader(DataLoader[_T_co]):
     """A drop-in for `torch.utils.data.DataLoader` whose workers hand over batches through shared
     memory.  Takes every DataLoader argument, plus:
@@ -185,6 +203,7 @@ class ShmDataLoader(DataLoader[_T_co]):
                                    ("max_ring_bytes", max_ring_bytes, 1)):
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < least):
                 raise ValueError(f"{name} must be an int >= {least} or None, got {value!r}")
+        num_workers, prefetch_factor = _counts(num_workers, prefetch_factor)
         super().__init__(
             dataset, batch_size=batch_size, shuffle=shuffle, sampler=sampler,
             batch_sampler=batch_sampler, num_workers=num_workers, collate_fn=collate_fn,
@@ -237,6 +256,10 @@ class ShmDataLoader(DataLoader[_T_co]):
         return state.start_epoch(self, super().__iter__)
 
     def _get_iterator(self):
+        # (torch lets them be set after construction; workers set then get torch's default prefetch)
+        self.num_workers, self.prefetch_factor = _counts(self.num_workers, self.prefetch_factor)
+        if self.num_workers > 0 and self.prefetch_factor is None:
+            self.prefetch_factor = 2
         if self.num_workers == 0:
             return state.SingleProcessIter(self)  # in-process (torch's, resumable): nothing to transport
         self.check_worker_number_rationality()

@@ -606,3 +606,36 @@ def test_one_iterator_used_by_two_threads_at_once_is_a_clear_error_not_a_hang(sa
     taker.join(10)
     assert not taker.is_alive() and len(got) == 1
     assert_same_batches(got + list(it), list(DataLoader(ds.SlowDataset(n=4, slow=0, seconds=0), batch_size=2)))
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    (dict(num_workers=2.0), r"num_workers must be an int, got 2.0 \(float\)"),
+    (dict(num_workers="2"), r"num_workers must be an int, got '2' \(str\)"),
+    (dict(num_workers=2, prefetch_factor=2.0), r"prefetch_factor must be an int, got 2.0 \(float\)"),
+])
+def test_a_count_that_is_not_an_int_is_a_type_error_naming_it(kwargs, message):
+    """torch takes num_workers=2.0 and fails at iter() in its own code ("can't multiply
+    sequence...", "'float' object cannot be interpreted as an integer"); here it is a TypeError
+    at construction naming the argument, and at iter() where it was set afterwards."""
+    dataset = torch.utils.data.TensorDataset(torch.arange(10.0))
+    with pytest.raises(TypeError, match=message):
+        ShmDataLoader(dataset, batch_size=2, **kwargs)
+    loader = ShmDataLoader(dataset, batch_size=2, num_workers=2)
+    for name, value in kwargs.items():
+        setattr(loader, name, value)
+    with pytest.raises(TypeError, match=message):
+        iter(loader)
+
+
+def test_numpy_counts_and_workers_set_after_construction_work_as_torchs_defaults():
+    """A numpy int is an int to torch (range() takes it); workers set after a loader built with
+    none get torch's default prefetch_factor (torch's own loader fails there, in its iterator)."""
+    dataset = torch.utils.data.TensorDataset(torch.arange(10.0))
+    want = collect(DataLoader(dataset, batch_size=2))
+    loader = ShmDataLoader(dataset, batch_size=2, num_workers=np.int64(2), prefetch_factor=np.int32(3))
+    assert_same_batches(collect(loader), want)
+    later = ShmDataLoader(dataset, batch_size=2)
+    later.num_workers = np.int64(2)
+    assert_same_batches(collect(later), want)
+    assert later.prefetch_factor == 2
+    del loader, later
