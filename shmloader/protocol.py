@@ -44,7 +44,7 @@ from . import _ring
 from .errors import SlotProtocolError
 from .timing import MAX_STAGES, STATUS_BLOCK_BYTES
 
-PROTOCOL_VERSION = 7  # 1: positional tuples (shmloader <= 0.x); 2: typed messages; 3: rows in place; 4: Kept rows' bytes; 5: NoRoom; 6: Grant's pages; 7: rows of the next epoch
+PROTOCOL_VERSION = 8  # 1: positional tuples (shmloader <= 0.x); 2: typed messages; 3: rows in place; 4: Kept rows' bytes; 5: NoRoom; 6: Grant's pages; 7: rows of the next epoch; 8: Learn's first index as a slice
 
 
 # -- main process -> worker ----------------------------------------------------------------------
@@ -162,14 +162,15 @@ class Fatal(NamedTuple):
 # -- sample_parallel=True (NOTE [ Samples of one batch over the workers ] in sample_parallel.py) --
 
 class Learn(NamedTuple):
-    """Fetch sample `index` as row 0 of batch `idx` (of `size` rows), learn the batch's row
+    """Fetch the sample of `first` (a one-index slice of the batch's indices, in the container the
+    batch sampler yielded) as row 0 of batch `idx` (of `size` rows), learn the batch's row
     schema from it, send it back (Schema) and keep the sample for the Rows that asks for it.
     In this mode's messages a negative epoch -e tags a batch of epoch e sent before it began
     (prefetch_next_epoch): its rows are seeded as epoch e's, and its replies carry the tag."""
     epoch: int
     idx: int
     size: int
-    index: Any
+    first: Any
 
 
 class Schema(NamedTuple):
@@ -181,7 +182,7 @@ class Schema(NamedTuple):
 
 
 class Rows(NamedTuple):
-    """Fetch `indices` as rows first_row.. of batch `idx` (of `size` rows) and write each into
+    """Fetch `indices` (a slice of the batch's, one index at a time) as rows first_row.. of batch `idx` (of `size` rows) and write each into
     `slot` (claimed by the main process), then report RowsDone (or Failed at the first bad row)."""
     epoch: int
     idx: int

@@ -118,7 +118,8 @@ NOTE [ Rows born in place ]
   Scope.  Map-style datasets with the default collate_fn (torch's default_collate) and a batch
   size (batch_size or batch_sampler).  An IterableDataset, a custom collate_fn or batch_size=None
   is a ValueError at construction, naming what and saying to use the default mode.  A dataset
-  with __getitems__ gets it called with one index at a time.  num_workers=0 runs in process
+  with __getitems__ gets it called with one index at a time, in a one-item slice of the
+  container the batch sampler yielded (a list, a tensor, an array: `_one_by_one`).  num_workers=0 runs in process
   as the default mode does (there is nothing to spread).  prefetch_next_epoch=True sends the
   next epoch's first batches ahead (NOTE [ The next epoch's first batches ]).  persistent_workers, timeout,
   pin_memory (the slots are page-locked as in the default mode), held batches (list(loader):
@@ -146,6 +147,7 @@ import dataclasses
 import os
 import time
 
+import numpy as np
 import torch
 from torch.utils.data import IterableDataset, default_collate
 
@@ -207,6 +209,16 @@ def _same_layout(a: rows.RowSchema, b: rows.RowSchema) -> bool:
     return a.tree == b.tree and rows_of(a) == rows_of(b)
 
 
+def _one_by_one(indices):
+    """A batch of indices as the workers get it, one-item slices of it to fetch: the batch
+    sampler's own container where it slices into its own type (a list, tuple, range, tensor or
+    array: a dataset's __getitems__ gets what torch's fetcher would give it, one index long),
+    else a list of its items."""
+    if isinstance(indices, (list, tuple, range, torch.Tensor, np.ndarray)) and getattr(indices, "ndim", 1) == 1:
+        return indices
+    return list(indices)
+
+
 def _first_worker(idx: int, size: int, num_workers: int) -> int:
     """The worker of batch `idx`'s first chunk (NOTE above): 0, or turns for a small batch."""
     return 0 if size >= num_workers else idx % num_workers
@@ -265,24 +277,25 @@ class _RowsWorker:
         at = leaf.offset + row * leaf.row_nbytes
         return SlotArena(segment, at, 0, at + leaf.row_nbytes, True), True
 
-    def fetch(self, worker, epoch: int, idx: int, row: int, index):
-        """Sample `index` as row `row` of batch `idx`: seeded for that row (NOTE above)."""
+    def fetch(self, worker, epoch: int, idx: int, row: int, one):
+        """The sample of `one` (a one-index slice of the batch: _one_by_one) as row `row` of
+        batch `idx`: seeded for that row (NOTE above)."""
         kept, self.kept = self.kept, None
         if kept is not None and row == 0 and kept[:2] == (epoch, idx):
             return kept[2]
         # (a batch of the next epoch fetched ahead is tagged -epoch: seeded as that epoch's)
         rows.seed_sample(rows.sample_seed(worker.spec.base_seed, abs(epoch), idx, row))
-        return worker.fetcher.fetch([index])[0]
+        return worker.fetcher.fetch(one)[0]
 
     def learn(self, worker, message: Learn) -> None:
-        epoch, idx, size, index = message
+        epoch, idx, size, first = message
         stage = worker._enter(FETCHING, idx)
         try:
             if worker.init_error is not None:
                 stage, payload = worker.init_error
                 worker.channel.send(Failed(epoch, idx, stage, payload))
                 return
-            sample = self.fetch(worker, epoch, idx, 0, index)
+            sample = self.fetch(worker, epoch, idx, 0, first)
             stage = worker._enter(LAYING_OUT, idx) + " (learning the batch's row layout from row 0)"
             schema = rows.learn_schema(sample, size)
         except Exception as exc:
@@ -306,14 +319,15 @@ class _RowsWorker:
                 raise SlotProtocolError(f"worker {worker.spec.worker_id} got rows of batch {idx} "
                                         "before the schema or without a slot segment")
             schema = self.schemas.get(size)
-            for row, index in enumerate(indices, first_row):
+            for row in range(first_row, first_row + len(indices)):
+                one = indices[row - first_row:row - first_row + 1]
                 stage = worker._enter(FETCHING, idx)
                 arena, in_row = self.arena_for(segment, schema, epoch, idx, row)
                 if arena is None:
-                    sample = self.fetch(worker, epoch, idx, row, index)
+                    sample = self.fetch(worker, epoch, idx, row, one)
                 else:
                     with arena:
-                        sample = self.fetch(worker, epoch, idx, row, index)
+                        sample = self.fetch(worker, epoch, idx, row, one)
                 stage = worker._enter(WRITING, idx)
                 placed, ready = rows.prepare_row(segment, schema, row, sample, in_row)
                 sample = None
@@ -381,7 +395,7 @@ class _Batch:
     def __init__(self, epoch: int, idx: int, indices):
         # epoch: its epoch, or -e for one of epoch e's first batches sent before e began (NOTE
         # [ The next epoch's first batches ]); (epoch, idx) is its key and its messages' tag
-        self.epoch, self.idx, self.indices = epoch, idx, list(indices)
+        self.epoch, self.idx, self.indices = epoch, idx, _one_by_one(indices)
         self.dropped = False  # sent ahead, and the sampler did not bear it out (or its epoch was left)
         self.slot: int | None = None
         self.left = 0  # chunks not reported yet
@@ -594,7 +608,7 @@ class SampleParallelIter(_PoolIter):
                 if self._learning is None:
                     self._learning = (batch.epoch, batch.idx)
                     self._send(_first_worker(batch.idx, len(batch.indices), self._num_workers),
-                               Learn(batch.epoch, batch.idx, len(batch.indices), batch.indices[0]))
+                               Learn(batch.epoch, batch.idx, len(batch.indices), batch.indices[:1]))
                 return
             awaited = (batch.epoch, batch.idx) == self._awaited_key()
             if not self._claim_slot(batch, create or awaited, waiting and awaited):

@@ -599,3 +599,45 @@ def test_an_epoch_left_early_does_not_move_the_next_epochs_draws():
         return out
 
     assert first_batches(ShmDataLoader) == first_batches(DataLoader)
+
+
+class ContainerSeen(Dataset):
+    """A dataset with __getitems__ whose samples record the container type it was given."""
+
+    KINDS = (list, tuple, range, torch.Tensor, np.ndarray)
+
+    def __len__(self):
+        return 20
+
+    def __getitem__(self, i):
+        return np.array([int(i), -1], np.int64)
+
+    def __getitems__(self, indices):
+        kind = next(k for k, t in enumerate(self.KINDS) if isinstance(indices, t))
+        return [np.array([int(i), kind], np.int64) for i in indices]
+
+
+class Batches:
+    """A batch sampler yielding its batches in the container `make` builds."""
+
+    def __init__(self, make):
+        self.make = make
+
+    def __iter__(self):
+        return (self.make(range(lo, min(lo + 6, 20))) for lo in range(0, 20, 6))
+
+    def __len__(self):
+        return 4
+
+
+@pytest.mark.parametrize("make", [list, tuple, lambda r: r, lambda r: torch.tensor(list(r)),
+                                  lambda r: np.array(list(r))],
+                         ids=["list", "tuple", "range", "tensor", "ndarray"])
+def test_getitems_gets_the_batch_samplers_container_one_index_long(make):
+    """torch's fetcher hands __getitems__ what the batch sampler yielded; this mode fetches one
+    index at a time, in a one-item slice of that same container (audit: a tensor batch used to
+    arrive as a list holding a tensor, and a dataset calling .tolist() on it raised)."""
+    loader = ShmDataLoader(ContainerSeen(), batch_sampler=Batches(make), num_workers=2, sample_parallel=True)
+    want = collect(DataLoader(ContainerSeen(), batch_sampler=Batches(make)))
+    assert_same_batches(collect(loader), want)
+    del loader
