@@ -28,6 +28,9 @@ NOTE [ Resuming mid-epoch ]
     worker loads its own state: dataset state, then iter(dataset), then the iterator's state.
   * which worker yielded batch k-1, so that batch k goes to the next one in turn (an iterable
     dataset's shards are per worker); the workers' base seed; whether the epoch had ended.
+  * the iterator's epoch count, which sample_parallel=True seeds each row with (its iterator
+    drives the same IterState hooks: NOTE [ Resuming a sample-parallel epoch ] in
+    sample_parallel.py); 0 in the default mode, whose workers are seeded once.
 
   A loaded state whose epoch had ended starts the next epoch at the next iter(), as torchdata
   does.  An iterable dataset without state is fast-forwarded (k batches fetched and dropped,
