@@ -947,6 +947,7 @@ class _ShmLoaderIter(_PoolIter):
             timing=self._timing_stats(), prefetched_next_epoch=self._next_epoch.prefetched,
             forecast_misses=self._next_epoch.misses, spilled_batches=self._spilled,
             overflow_slots=ring_stats.overflow_slots, pages_given_back=ring_stats.pages_given_back,
+            timing_off="" if self._clock.enabled else "SHMLOADER_TIMING=0",
         )
 
     def _timing_stats(self) -> diagnosis.LoaderTiming | None:

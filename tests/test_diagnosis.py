@@ -157,7 +157,7 @@ def test_timing_off(monkeypatch):
     monkeypatch.setenv("SHMLOADER_TIMING", "0")
     loader = ShmDataLoader(SleepDataset(sleep_ms=0), batch_size=2, num_workers=2)
     stats = _run(loader, 5, 0.0)
-    assert stats.timing is None and stats.batches == 5
+    assert stats.timing is None and stats.batches == 5 and stats.timing_off == "SHMLOADER_TIMING=0"
     assert "timing: off (SHMLOADER_TIMING=0)" in str(stats)
     assert LoaderStats.from_dict(stats.as_dict()) == stats
 
