@@ -133,7 +133,8 @@ NOTE [ Resuming a sample-parallel epoch ]
   delivered, the base seed), plus what this mode seeds rows with: the iterator's epoch count
   (`epoch` in the state).  A resumed iterator takes the saved base seed before its workers
   start, replays the sampler to batch k, and numbers its epoch and its batches from the saved
-  ones, so batch k's row r is seeded as it was (rows.sample_seed(base_seed, e, k, r)) and the
+  ones (a batch that raised, its error caught by the loop, counts as drawn), so batch k's row r
+  is seeded as it was (rows.sample_seed(base_seed, e, k, r)) and the
   resumed run yields the uninterrupted run's batches, random augmentations included, at any
   num_workers >= 1.  What it cannot save: a dataset's own state (torchdata's protocol), since
   every worker fetches rows of every batch and no one worker's state is the dataset's; state_dict()
@@ -480,7 +481,9 @@ class SampleParallelIter(_PoolIter):
         resumed = self._resumable.before_prime(self, loader, first_iter)  # the sampler replayed to batch k
         if resumed is not None:  # NOTE [ Resuming a sample-parallel epoch ]
             self._epoch = resumed["epoch"]
-            self._send_idx = self._rcvd_idx = resumed["batches_yielded"]
+            # the batches drawn before the saved position, failed ones too (batches_yielded counts
+            # only those delivered): the next batch's number, which its rows are seeded with
+            self._send_idx = self._rcvd_idx = resumed["sampler"]["yielded"]
         self._resumable.epoch = self._epoch
         if not first_iter:
             try:

@@ -220,6 +220,7 @@ def _config(loader) -> dict:
         "sampler_length": _len(loader.sampler) if is_map else None,
         "batches_per_epoch": _len(loader._index_sampler) if is_map else None,
         "sampler_generators": len(_sampler_generators(loader)),
+        "generator": isinstance(loader.generator, torch.Generator),  # the one the permutation may come from
         # its workers seed each row, not each worker (in process, both modes are torch's)
         "sample_parallel": bool(getattr(loader, "sample_parallel", False)) and loader.num_workers > 0,
     }

@@ -190,3 +190,95 @@ def test_lightning_style_state_after_each_epoch_is_quiet_and_resumes():
     got = first + [[b["x"].tolist() for b in resumed] for _ in range(2)]
     assert got == [[b["x"] for b in e] for e in want]
     del resumed
+
+
+class Numbers(Dataset):
+    def __len__(self):
+        return 12
+
+    def __getitem__(self, i):
+        return i
+
+
+@pytest.mark.parametrize("sample_parallel", [True, False], ids=["rows", "default"])
+@pytest.mark.parametrize("persistent", [True, False], ids=["persistent", "fresh-workers"])
+def test_without_a_generator_the_saved_global_rng_gives_the_later_epochs(sample_parallel, persistent):
+    """The README's advice for a loader without a generator: save torch's RNG state with the
+    loader's, put it back before the resumed loader's iter(); the later epochs are then the
+    uninterrupted run's (audit: the resumed iterator's own seed draw left the RNG one draw on)."""
+    def make():
+        return ShmDataLoader(Numbers(), batch_size=3, shuffle=True, num_workers=2,
+                             persistent_workers=persistent, sample_parallel=sample_parallel)
+
+    torch.manual_seed(0)
+    saved_by = make()
+    iterator = iter(saved_by)
+    next(iterator)
+    checkpoint = through_bytes({"loader": saved_by.state_dict(), "rng": torch.get_rng_state()})
+    want = [[b.tolist() for b in iterator]] + [[b.tolist() for b in saved_by] for _ in range(2)]
+    del iterator, saved_by
+    torch.manual_seed(999)  # another process's RNG
+    resumed = make()
+    torch.set_rng_state(checkpoint["rng"])
+    resumed.load_state_dict(checkpoint["loader"])
+    assert [[b.tolist() for b in resumed] for _ in range(3)] == want
+    del resumed
+
+
+@pytest.mark.parametrize("sample_parallel", [True, False], ids=["rows", "default"])
+def test_a_state_of_a_loader_with_another_generator_argument_is_refused(sample_parallel):
+    """With generator= the permutation comes from it, without from torch's global RNG: a
+    position saved by one means other samples in the other (audit: it was taken silently)."""
+    for saved_with in (True, False):
+        def make(with_generator):
+            return ShmDataLoader(Numbers(), batch_size=3, shuffle=True, num_workers=2,
+                                 sample_parallel=sample_parallel,
+                                 generator=torch.Generator().manual_seed(0) if with_generator else None)
+
+        saved_by = make(saved_with)
+        iterator = iter(saved_by)
+        next(iterator)
+        state = saved_by.state_dict()
+        del iterator, saved_by
+        with pytest.raises(ValueError, match=f"generator={saved_with}, this loader has generator={not saved_with}"):
+            make(not saved_with).load_state_dict(state)
+
+
+class FlakyAugmented(Augmented):
+    def __getitem__(self, i):
+        if i == 5:
+            raise RuntimeError("corrupt sample 5")
+        return super().__getitem__(i)
+
+
+def test_a_batch_that_raised_before_the_save_keeps_the_later_batches_seeds():
+    """A batch whose row raised, its error caught by the loop, is still a batch drawn: the
+    resumed batches are numbered (and their rows seeded) from the sampler's position, not from
+    the batches delivered (audit: every later batch got its predecessor's augmentations)."""
+    def make():
+        return ShmDataLoader(FlakyAugmented(), batch_size=2, num_workers=2, persistent_workers=True,
+                             sample_parallel=True, generator=torch.Generator().manual_seed(0))
+
+    def rest(iterator):
+        out = []
+        while True:
+            try:
+                out.append(plain(next(iterator)))
+            except StopIteration:
+                return out
+            except RuntimeError:
+                out.append("error")
+
+    loader = make()
+    iterator = iter(loader)
+    got = [plain(next(iterator)), plain(next(iterator))]
+    with pytest.raises(RuntimeError, match="corrupt sample 5"):
+        next(iterator)  # batch 2 holds index 5
+    got.append(plain(next(iterator)))
+    state = through_bytes(loader.state_dict())
+    want = rest(iterator)
+    del iterator, loader
+    resumed = make()
+    resumed.load_state_dict(state)
+    assert rest(iter(resumed)) == want and len(want) == 8
+    del resumed
