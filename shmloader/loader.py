@@ -373,14 +373,17 @@ class _PoolIter(torch_private.BaseDataLoaderIter):
 
     def __init__(self, loader) -> None:
         # Resuming a state: its base seed replaces the one torch's __init__ draws, so that draw
-        # must leave torch's global RNG (where there is no generator) as it was, for the epochs
-        # after the resumed one to draw what an uninterrupted run draws (NOTE [ Resuming mid-epoch ]).
-        undo = None
-        if getattr(loader, "_state_resume", None) is not None and loader.generator is None:
-            undo = torch.get_rng_state()
+        # must leave its generator (the loader's, else torch's global RNG) as it was, for the
+        # epochs after the resumed one to draw what an uninterrupted run draws (NOTE [ Resuming
+        # mid-epoch ]).
+        source = undo = None
+        if getattr(loader, "_state_resume", None) is not None:
+            generator = loader.generator
+            source = generator if isinstance(generator, torch.Generator) else torch.default_generator
+            undo = source.get_state()
         super().__init__(loader)
-        if undo is not None:
-            torch.set_rng_state(undo)
+        if source is not None:
+            source.set_state(undo)
         self._shutdown = False
         self._broken: str | None = None  # "Type: message" of the error that shut it down
         self._broken_said = False  # LoaderBrokenError raised (once; NOTE [ Shutdown ] in pool.py)

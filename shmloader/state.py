@@ -283,6 +283,9 @@ def _draw_base_seed(loader) -> None:
 
 def _restore_sampler(it, loader, main: dict, rng: dict, single: bool) -> None:
     """Put the iterator's sampler where it was (NOTE [ Resuming mid-epoch ])."""
+    if main.get("at_end"):  # replayed at load_state_dict (_generators_to_the_epochs_end)
+        it._sampler_iter = iter(())
+        return
     gen = loader.generator
     if is_stateful(it._index_sampler) or is_stateful(it._sampler_iter):
         # torchdata's way: the sampler restores itself (and the generators it draws from)
@@ -659,9 +662,38 @@ def loader_state_dict(loader) -> dict:
     return tracker.state_dict()
 
 
+def _generators_to_the_epochs_end(loader, saved: dict) -> bool:
+    """For a state saved after its epoch ended, with workers and a sampler that is replayed: put
+    the generators the sampler draws from where that epoch left them, now, at load_state_dict().
+    Replayed at the first iter() instead, as a state saved mid-epoch is, it would undo a re-seed
+    made between load_state_dict() and that iter(), which the next epoch must see (an
+    uninterrupted run re-seeds after the epoch's end too).  torch's global RNG is not changed
+    (NOTE [ Resuming mid-epoch ]).  True where done."""
+    if not saved["epoch_finished"] or loader.num_workers == 0 or loader._dataset_kind != _DatasetKind.Map:
+        return False
+    sampler = loader._index_sampler
+    if is_stateful(sampler):
+        return False
+    rng = saved["sampler"]["rng"]
+    with torch.random.fork_rng(devices=[]):
+        torch.set_rng_state(rng["global"])
+        sampler_iter = iter(sampler)
+        if is_stateful(sampler_iter):
+            return False
+        if loader.generator is not None and rng["loader"] is not None:
+            loader.generator.set_state(rng["loader"])
+        for sampler_gen, state in zip(_sampler_generators(loader), rng["samplers"]):
+            sampler_gen.set_state(state)
+        for _ in sampler_iter:  # the whole epoch, to its StopIteration
+            pass
+    return True
+
+
 def load_loader_state(loader, saved: dict) -> None:
     """ShmDataLoader.load_state_dict(): the next iterator resumes from `saved` ({}: no-op)."""
     resume = None if saved == {} else check(saved, loader)
+    if resume is not None and _generators_to_the_epochs_end(loader, resume):
+        resume = {**resume, "sampler": {**resume["sampler"], "at_end": True}}
     loader._iterator = None
     loader._state_prepared = None
     loader._state_tracker = None

@@ -282,3 +282,39 @@ def test_a_batch_that_raised_before_the_save_keeps_the_later_batches_seeds():
     resumed.load_state_dict(state)
     assert rest(iter(resumed)) == want and len(want) == 8
     del resumed
+
+
+@pytest.mark.parametrize("sample_parallel", [True, False], ids=["rows", "default"])
+@pytest.mark.parametrize("persistent", [True, False], ids=["persistent", "fresh-workers"])
+def test_a_generator_reseeded_at_each_epoch_resumes_from_a_state_saved_at_the_end(sample_parallel, persistent):
+    """A loop that re-seeds the loader's generator at each epoch's start, a state saved after
+    an epoch's end (a checkpoint per epoch): the resumed loader's next epoch is the re-seeded
+    one (audit: the first iter() put the generator back over the re-seed, as torchdata does)."""
+    def make():
+        return ShmDataLoader(Numbers(), batch_size=3, shuffle=True, num_workers=2, generator=torch.Generator(),
+                             persistent_workers=persistent, sample_parallel=sample_parallel)
+
+    def epoch(loader, seed):
+        loader.generator.manual_seed(seed)
+        return [b.tolist() for b in loader]
+
+    saved_by = make()
+    want = [epoch(saved_by, 100)]
+    state = through_bytes(saved_by.state_dict())
+    want += [epoch(saved_by, 101), epoch(saved_by, 102)]
+    del saved_by
+    resumed = make()
+    resumed.load_state_dict(state)
+    assert [epoch(resumed, 101), epoch(resumed, 102)] == want[1:]
+    del resumed
+    # and without re-seeding, the epoch after the saved one is the uninterrupted run's
+    saved_by = make()
+    saved_by.generator.manual_seed(7)
+    [list(saved_by)]
+    state = through_bytes(saved_by.state_dict())
+    want = [[b.tolist() for b in saved_by] for _ in range(2)]
+    del saved_by
+    resumed = make()
+    resumed.load_state_dict(state)
+    assert [[b.tolist() for b in resumed] for _ in range(2)] == want
+    del resumed
