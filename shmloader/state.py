@@ -33,7 +33,9 @@ NOTE [ Resuming mid-epoch ]
     sample_parallel.py); 0 in the default mode, whose workers are seeded once.
 
   A loaded state whose epoch had ended starts the next epoch at the next iter(), as torchdata
-  does.  An iterable dataset without state is fast-forwarded (k batches fetched and dropped,
+  does; with workers its replayed sampler's generators are put where that epoch left them at
+  load_state_dict() already, so that a re-seed before that iter() holds
+  (`_generators_to_the_epochs_end`).  An iterable dataset without state is fast-forwarded (k batches fetched and dropped,
   with a warning), as torchdata does.  state_dict() before any iteration starts the iterator
   (and its workers) so that its seed is fixed; the next iter() uses that iterator (torchdata's
   behaviour).  The state carries FORMAT and the loader's configuration; a state of another
