@@ -376,6 +376,8 @@ cdef class SlotArena:
         a.lo = segment._base + begin
         a.hi = segment._base + end
         a.cursor = a.lo
+        a.top = NULL
+        a.want = 0
         a.min_bytes = min_bytes
         a.exact = exact
         a.live = 0
@@ -418,6 +420,15 @@ cdef class SlotArena:
         if self._a == NULL:
             raise ValueError("this slot arena has been released")
         return (<uint64_t>(self._a.cursor - self._base) + SHM_ARENA_ALIGN - 1) // SHM_ARENA_ALIGN * SHM_ARENA_ALIGN
+
+    @property
+    def wanted_end(self):
+        """Offset in the slot that the cursor would have reached had every request of at least
+        min_bytes fitted (blocks freed on the way taken back): a slot of this size holds every
+        large array the collate_fn made."""
+        if self._a == NULL:
+            raise ValueError("this slot arena has been released")
+        return <uint64_t>(self._a.lo - self._base) + self._a.want
 
     @property
     def begin(self):

@@ -2,16 +2,23 @@
  * the user's collate_fn, so that the batch's large arrays (np.stack, np.concatenate, np.empty
  * then fill, ...) are born in the slot and need no second copy.
  *
- * An arena is a bump allocator over [lo, hi) of one mapped slot segment.  Blocks are 64-byte
- * aligned and carry a 64-byte prefix holding their size (numpy's realloc does not pass it):
+ * An arena is a stack allocator over [lo, hi) of one mapped slot segment.  Blocks are 64-byte
+ * aligned and carry a 64-byte prefix (`shm_block`: their size, which numpy's realloc does not
+ * pass, the cursor before them, the block below, whether freed):
  *
- *   lo ... | size | block (64-aligned) ... | size | block ... | cursor ...... hi
+ *   lo ... | prefix | block (64-aligned) ... | prefix | block ... | cursor ...... hi
+ *
+ * A freed block is space again once every block above it is freed too: freeing the top block
+ * takes the cursor back below it and below the freed blocks under it.  So the temporaries of a
+ * collate_fn (np.stack's result of uint8 samples, then `.astype(np.float32) / 255`) leave room
+ * for what it makes next, as on the heap, and the batch it returns can be born in the slot.
+ * `want` is how far the cursor would have gone had every request fitted: a slot that size
+ * holds all of the collate_fn's large arrays (shmloader/worker.py may grow the slot to it).
  *
  * While an arena is open (only around the collate call, in the worker's main thread, through a
  * context-local numpy handler) requests of at least `min_bytes` that fit come from it; smaller
  * ones, those that do not fit, and every request of other threads or after closing go to the C
- * heap.  Memory is never reused inside an arena: a block freed before the batch is written is
- * simply lost space in the slot.
+ * heap.  A freed block below a live one is lost space in the slot until the live one goes.
  *
  * An exact arena (sample_parallel's rows, shmloader/sample_parallel.py) is one block: [lo, hi)
  * itself, handed out only to the first request of exactly hi - lo bytes, with no size prefix (the
@@ -38,6 +45,8 @@
 
 typedef struct shm_arena {
     char *lo, *hi, *cursor;
+    struct shm_block *top; /* the block handed out last and not popped, or NULL */
+    uint64_t want;         /* bytes past lo the cursor would reach had every request fitted */
     uint64_t min_bytes;
     int exact;        /* one block, [lo, hi) exactly, no size prefix */
     int64_t live;     /* blocks handed out and not yet freed */
@@ -46,6 +55,14 @@ typedef struct shm_arena {
     PyObject *owner;  /* the segment, referenced while the arena exists */
     struct shm_arena *next;
 } shm_arena;
+
+typedef struct shm_block { /* the 64-byte prefix of a block */
+    uint64_t size;
+    char *before;           /* the cursor before the block was taken */
+    struct shm_block *below; /* the arena's top block then */
+    uint64_t freed;
+    char pad[SHM_ARENA_ALIGN - 32];
+} shm_block;
 
 static shm_arena *shm_arenas = NULL;     /* every arena not freed yet */
 static shm_arena *shm_arena_open = NULL; /* the one handing out blocks, if any */
@@ -76,8 +93,15 @@ static inline void *shm_arena_take(size_t size) {
     }
     uintptr_t at = ((uintptr_t)a->cursor + SHM_ARENA_ALIGN - 1) & ~(uintptr_t)(SHM_ARENA_ALIGN - 1);
     char *block = (char *)at + SHM_ARENA_ALIGN;
+    uint64_t end = (uint64_t)(block - a->lo) + (uint64_t)size;
+    if (end > a->want) a->want = end;
     if (block > a->hi || size > (size_t)(a->hi - block)) return NULL;
-    *(uint64_t *)(block - SHM_ARENA_ALIGN) = (uint64_t)size;
+    shm_block *prefix = (shm_block *)(block - SHM_ARENA_ALIGN);
+    prefix->size = (uint64_t)size;
+    prefix->before = a->cursor;
+    prefix->below = a->top;
+    prefix->freed = 0;
+    a->top = prefix;
     a->cursor = block + size;
     a->live++;
     return block;
@@ -86,6 +110,19 @@ static inline void *shm_arena_take(size_t size) {
 static inline void shm_arena_give_back(shm_arena *a) {
     a->live--;
     if (a->live == 0 && a->released) shm_arena_unlink_and_free(a);
+}
+
+/* Block `p` of arena `a` is freed: popped with the freed blocks under it if it is the top. */
+static inline void shm_arena_free_block(shm_arena *a, void *p) {
+    if (!a->exact) {
+        shm_block *prefix = (shm_block *)((char *)p - SHM_ARENA_ALIGN);
+        prefix->freed = 1;
+        while (a->top != NULL && a->top->freed) {
+            a->cursor = a->top->before;
+            a->top = a->top->below;
+        }
+    }
+    shm_arena_give_back(a);
 }
 
 static void *shm_arena_malloc(void *ctx, size_t size) {
@@ -107,11 +144,11 @@ static void *shm_arena_realloc(void *ctx, void *ptr, size_t new_size) {
     (void)ctx;
     shm_arena *a = ptr != NULL ? shm_arena_of(ptr) : NULL;
     if (a == NULL) return realloc(ptr, new_size ? new_size : 1);
-    uint64_t old_size = a->exact ? (uint64_t)(a->hi - a->lo) : *(uint64_t *)((char *)ptr - SHM_ARENA_ALIGN);
+    uint64_t old_size = a->exact ? (uint64_t)(a->hi - a->lo) : ((shm_block *)((char *)ptr - SHM_ARENA_ALIGN))->size;
     void *q = malloc(new_size ? new_size : 1); /* a resized block moves to the heap */
     if (q == NULL) return NULL;
     memcpy(q, ptr, old_size < new_size ? (size_t)old_size : new_size);
-    shm_arena_give_back(a);
+    shm_arena_free_block(a, ptr);
     return q;
 }
 
@@ -121,7 +158,7 @@ static void shm_arena_free(void *ctx, void *ptr, size_t size) {
     if (ptr == NULL) return;
     shm_arena *a = shm_arena_of(ptr);
     if (a != NULL) {
-        shm_arena_give_back(a);
+        shm_arena_free_block(a, ptr);
     } else {
         free(ptr);
     }

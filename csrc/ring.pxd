@@ -56,6 +56,8 @@ cdef extern from "arena.h":
         char *lo
         char *hi
         char *cursor
+        void *top
+        uint64_t want
         uint64_t min_bytes
         int exact
         int64_t live

@@ -158,6 +158,22 @@ GUESS_MAX_WASTE = 2
 # A batch whose arena holds more is laid out from the slot's start (the slot does not grow).
 ARENA_BLOCK_SLACK = 128
 ARENA_MARGIN = 128
+# NOTE [ A slot for the collate_fn's temporaries ]
+#   A numpy collate_fn often makes the batch in steps: `np.stack(images).astype(np.float32) / 255`
+#   stacks uint8 samples, converts them and divides.  The arena (csrc/arena.h) takes a freed top
+#   block back, so where each step's input is freed before the next array is made the result
+#   is born in a slot of the batch's size.  But `.astype` makes its result while np.stack's is
+#   alive: in a slot of the batch's size it does not fit, is made on the heap (mmapped afresh
+#   for every batch from 32 MiB up) and copied.  So when a batch copied numpy arrays of at least
+#   ARENA_MIN_BYTES and the arena was asked for more than the slot has (`wanted_end`: where its
+#   cursor would have gone had every request fitted), the slot grows to hold them all, with no
+#   headroom; the ring's new slots take that size.  Not beyond ARENA_GROW_MAX times the batch
+#   (a collate_fn that makes many temporaries keeps its copy: slots that size would cost more
+#   memory than the copy costs time); and a worker whose copied arrays had room in the arena and
+#   were not born there (made outside the collate_fn, by torch, ...) grows no slot for them again.
+#   Not for samples fetched in the arena (NOTE [ Samples born in the slot ]: a worker whose
+#   samples leave dead blocks there stops fetching them so), nor for a guessed first slot.
+ARENA_GROW_MAX = 1.5
 ARENA_TEMPORARIES_MAX = 64 * 1024
 DESCRIPTOR_ROOM = 4096  # a guessed slot's room for the header and the descriptor
 DESCRIPTOR_BYTES_PER_LEAF = 128  # and per leaf of a batch of records
@@ -371,6 +387,7 @@ class _Worker:
         self.tensor_mode_unused = 0  # batches in a row whose collate_fn built no tensor under the mode
         self.guess_fits = True  # no guessed slot has been too small for its batch yet (NOTE above)
         self.guess_padded = False  # a batch was as large as its samples padded to the longest
+        self.arena_grows = True  # NOTE [ A slot for the collate_fn's temporaries ]
 
     def _enter(self, stage: int, idx: int = -1) -> str:
         """Record the stage in this worker's status word (and time the one it leaves: NOTE
@@ -695,6 +712,7 @@ class _Worker:
             del samples
             stage = self._enter(LAYING_OUT, idx)
             plan = layout.plan_batch(batch, arena)
+            wanted_end = arena.wanted_end if arena is not None else 0
             if watched is not None or fetched_in_arena:
                 in_slot.learn(plan, watched, fetched_in_arena)
             if grant is None:
@@ -719,6 +737,9 @@ class _Worker:
                 # The arena's blocks hold more than the batch (temporaries): lay the batch out
                 # from the slot's start instead, what lies in the slot copied out first.
                 plan, sources_in_slot = layout.plan_batch(batch), True
+            grow_to = 0
+            if in_arena and not (guessed or fetched_in_arena) and self.arena_grows and plan.total_bytes <= segment.size:
+                grow_to = self._slot_for_temporaries(plan, wanted_end, segment.size)
             if self.short_of_pages is not None and self.short_of_pages == slot:
                 # its pages given back could not be taken back (/dev/shm is full): a new segment,
                 # outside /dev/shm where it has no room (NOTE [ A slot's pages follow its batch ])
@@ -727,7 +748,7 @@ class _Worker:
                 segment = grown = self.new_segment(grant, size)  # (on an error the grant stays ours)
                 generation = granted + 1
                 self.pages_end.pop(slot, None)  # (those of the segment it replaces)
-            elif segment is None or plan.total_bytes > segment.size:
+            elif segment is None or plan.total_bytes > segment.size or grow_to:
                 if guessed and not self.guess_padded and plan.total_bytes + arena_slack(plan) <= guesses[1]:
                     self.guess_padded = True  # a padding collate_fn: its next guesses count it
                 elif guessed:  # the collate_fn makes more than its samples' bytes, padded
@@ -741,7 +762,7 @@ class _Worker:
                 if spec.collate_mode == COLLATE_CUSTOM:  # room for the arena's block prefixes
                     needed += arena_slack(plan)
                 held, grant = grant, None  # _segment_for_batch's: it keeps what it holds on an error
-                grant, grown = self._segment_for_batch(held, needed, current, idx)
+                grant, grown = self._segment_for_batch(held, max(needed, grow_to), current, idx, exact=grow_to > 0)
                 slot, granted, capacity, hint = grant
                 if grown is None:  # another grant, whose segment is large enough
                     segment, generation = self.segments[slot][1], granted
@@ -813,14 +834,30 @@ class _Worker:
                     slot, generation, _capacity, hint = self.grants.popleft()
                     self.grants.appendleft((slot, generation, 0, hint))  # a new segment when used
 
-    def _segment_for_batch(self, grant, needed: int, current: int, idx: int):
+    def _slot_for_temporaries(self, plan, wanted_end: int, size: int) -> int:
+        """The slot bytes that would let the collate_fn's numpy arrays copied in `plan` be born in
+        the slot next time, or 0 (NOTE [ A slot for the collate_fn's temporaries ])."""
+        ends = [offset for offset, _ in plan.leaves[1:]] + [plan.descriptor_offset]
+        copied = sum(end - offset for (offset, leaf), end in zip(plan.leaves, ends)
+                     if type(leaf) is np.ndarray and end - offset >= ARENA_MIN_BYTES)
+        if not copied:
+            return 0
+        if wanted_end <= size:  # they had room and were not born there: a bigger slot is no help
+            self.arena_grows = False
+            return 0
+        needed = wanted_end + plan.total_bytes - copied + arena_slack(plan)
+        return needed if needed <= ARENA_GROW_MAX * (plan.total_bytes + arena_slack(plan)) else 0
+
+    def _segment_for_batch(self, grant, needed: int, current: int, idx: int, exact: bool = False):
         """(the grant, a new segment for its slot of at least `needed` bytes), or (another
         grant, None) whose slot's segment holds `needed`: where /dev/shm has no room for the
         granted slot's first segment, the worker waits for another grant (NOTE [ No room for a
-        worker's first slot ]).  On an error the grant it holds then is the worker's again."""
+        worker's first slot ]).  On an error the grant it holds then is the worker's again.
+        `exact`: the segment is `needed` bytes page-rounded, without a growing slot's headroom."""
         while True:
             try:
-                return grant, self.new_segment(grant, slot_capacity(needed, current, grant[3]))
+                capacity = page_round(needed) if exact else slot_capacity(needed, current, grant[3])
+                return grant, self.new_segment(grant, capacity)
             except NoRoomForSlot:  # handed back
                 self._enter(AWAITING_SLOT, idx)
                 grant = self._next_grant(idx)

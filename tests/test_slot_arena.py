@@ -418,3 +418,126 @@ def test_a_kept_block_keeps_its_segment_mapped():
     gc.collect()
     assert kept.sum() == 70_000.0  # still mapped: the arena holds the segment until kept goes
     del kept
+
+
+def test_a_freed_top_block_is_space_again():
+    """csrc/arena.h pops a freed block from the top of the arena, with the freed ones under it:
+    a collate_fn's temporaries leave room for what it makes next; `wanted_end` is how far the
+    cursor would have gone had every request fitted."""
+    segment = create_segment(1 << 22, 0)
+    arena = SlotArena(segment, layout.HEADER_BYTES, 16 * 1024)
+    start = arena.used_end
+    with arena:
+        first = np.ones(100_000)  # 800 KB
+        second = np.ones(100_000)
+        both = arena.used_end
+        where = second.__array_interface__["data"][0]
+        del second
+        assert arena.used_end == arena.offset_of(first.__array_interface__["data"][0], first.nbytes) + first.nbytes
+        third = np.ones(100_000)
+        assert third.__array_interface__["data"][0] == where  # the freed block's place
+        del first  # under a live block: not space again yet
+        assert arena.used_end == both
+        del third  # and now both go
+        assert arena.used_end == start
+        too_big = np.ones(1 << 20)  # 8 MiB: from the heap
+        assert arena.offset_of(too_big.__array_interface__["data"][0], too_big.nbytes) is None
+        assert arena.wanted_end >= start + too_big.nbytes
+        assert arena.used_end == start
+    del too_big
+    assert arena.release() == 0
+    del segment
+    gc.collect()
+
+
+class Pixels(Dataset):
+    """uint8 samples of 64 KiB: a batch of 4 stacks to 256 KiB and converts to 1 MiB of float32."""
+
+    def __init__(self, n: int = 96):
+        self.n = n
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        return ((np.arange(ROW) * 7 + i) % 256).astype(np.uint8).reshape(64, 1024)
+
+
+def to_float(samples):
+    return np.stack(samples).astype(np.float32) / 255
+
+
+def to_float64(samples):
+    return np.stack(samples) / 255.0
+
+
+def normalized(samples):
+    batch = np.stack(samples).astype(np.float32)
+    batch -= 127.0
+    batch /= 50.0
+    return batch
+
+
+def image_and_label(samples):
+    return {"image": np.stack(samples).astype(np.float32) / 255.0, "label": np.arange(len(samples))}
+
+
+def centred(samples):
+    return (np.stack(samples).astype(np.float32) - 127.0) / 50.0
+
+
+@pytest.mark.parametrize("hold", [False, True])
+@pytest.mark.parametrize("collate_fn", [to_float, to_float64, normalized, image_and_label])
+def test_a_collate_that_converts_its_stack_builds_the_batch_in_the_slot(collate_fn, hold):
+    """np.stack of uint8 samples, then astype / division (NOTE [ A slot for the collate_fn's
+    temporaries ] in worker.py): torch's batches, and all but the first batches of each worker
+    and of each slot born in the slot, in slots no more than ARENA_GROW_MAX times the batch.
+    Before, every batch was made on the heap and copied (0 bytes in place)."""
+    from shmloader.worker import ARENA_GROW_MAX
+
+    shm, ref, stats = _both(Pixels(), collate_fn, hold=hold)
+    assert_same_batches(shm, ref)
+    image = ref[0]["image"] if isinstance(ref[0], dict) else ref[0]
+    copied = 2 + stats.ring_slots + stats.detached  # each worker's first, each slot's growth
+    assert stats.in_place_bytes >= (len(shm) - copied) * image.nbytes, stats
+    assert stats.slot_bytes <= ARENA_GROW_MAX * image.nbytes + (64 << 10), stats
+    del shm
+
+
+class KeepsItsStack:
+    """A collate_fn that keeps each uint8 stack (a temporary under the batch it returns) and
+    checks, at each call, that none of them changed."""
+
+    def __init__(self):
+        self.kept = []
+
+    def __call__(self, samples):
+        for stacked, snapshot in self.kept:
+            if not np.array_equal(stacked, snapshot):
+                raise AssertionError("a stack the collate_fn kept was overwritten")
+        stacked = np.stack(samples)
+        self.kept.append((stacked, stacked.copy()))
+        return stacked.astype(np.float32)
+
+
+@pytest.mark.parametrize("hold", [False, True])
+def test_temporaries_the_collate_keeps_are_never_overwritten(hold):
+    shm, ref, stats = _both(Pixels(n=48), KeepsItsStack(), hold=hold, prefetch_factor=2)
+    assert_same_batches(shm, ref)
+    del shm
+
+
+def from_numpy_then_torch(samples):
+    return torch.from_numpy(np.stack(samples).astype(np.float32)) * 2
+
+
+@pytest.mark.parametrize("collate_fn", [from_numpy_then_torch, centred])
+def test_a_slot_grows_for_temporaries_only_where_it_helps(collate_fn):
+    """from_numpy_then_torch: the batch is torch's product (its allocator cannot be pointed at the
+    slot), so a bigger slot would not bring it there.  centred: `(x - 127) / 50` has two
+    batch-sized arrays alive at once, a slot of twice the batch, more than ARENA_GROW_MAX.  Both
+    keep their copy, and no slot grows beyond the batch."""
+    shm, ref, stats = _both(Pixels(n=48), collate_fn)
+    assert_same_batches(shm, ref)
+    assert stats.slot_bytes <= shm[0].nbytes + (64 << 10), stats
+    del shm
