@@ -15,6 +15,10 @@ come from torch's own allocator, which cannot be redirected; two things bring th
   usual collate_fn of sequences), which has no ``out=``, is made the way torch makes it (a
   tensor of the first sequence's dtype, each sequence copied into its place, the padding value
   everywhere else) into an `empty_tensor`, for sequences of one dtype and trailing shape.
+  A dtype conversion (``.float()``, ``.half()``, ``.double()``, ``.bfloat16()``, ``.to(dtype)``)
+  and the arithmetic that turns pixels into inputs (``+ - * /`` by a number or by a tensor of the
+  same shape, ``torch.add/sub/mul/div``) of a contiguous tensor are made the way torch makes
+  them (``copy_`` into, or the op's ``out=``, an `empty_tensor` of torch's result dtype).
   Anything else runs untouched.
 """
 
@@ -31,6 +35,10 @@ _BUILDERS = frozenset({torch.stack, torch.cat, torch.concat, torch.concatenate})
 _PAD_SEQUENCE = torch._C._nn.pad_sequence  # what torch.nn.utils.rnn.pad_sequence calls
 _PAD_ARGUMENTS = ("sequences", "batch_first", "padding_value", "padding_side")
 _RESIZES = frozenset({torch.Tensor.resize_, torch.Tensor.resize_as_})
+_CONVERSIONS = {torch.Tensor.float: torch.float32, torch.Tensor.double: torch.float64,
+                torch.Tensor.half: torch.float16, torch.Tensor.bfloat16: torch.bfloat16}
+_ARITHMETIC = {f: op for op in (torch.add, torch.sub, torch.mul, torch.div)
+               for f in (op, getattr(torch.Tensor, op.__name__))}  # x / 255 calls Tensor.div
 
 
 def empty_tensor(shape, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -82,7 +90,63 @@ class SlotTensorMode(TorchFunctionMode):
                 return padded
         elif func in _RESIZES and args and type(args[0]) is torch.Tensor:
             self._resizable(args[0])
+        elif func is torch.Tensor.to or func in _CONVERSIONS:
+            out = self._converted(func, args, kwargs)
+            if out is not None:
+                return out
+        elif func in _ARITHMETIC and not kwargs and len(args) == 2:
+            out = self._arithmetic_output(*args, func)
+            if out is not None:
+                return _ARITHMETIC[func](*args, out=out)
         return func(*args, **kwargs)
+
+    def _source(self, tensor) -> bool:
+        """Whether `tensor` is one whose result torch would make contiguous (itself contiguous,
+        plain, on the CPU, without a conj/neg bit or autograd to follow)."""
+        return (type(tensor) is torch.Tensor and _plain_cpu((tensor,)) and tensor.is_contiguous()
+                and not (tensor.is_conj() or tensor.is_neg())
+                and not (tensor.requires_grad and torch.is_grad_enabled()))
+
+    def _made(self, out: torch.Tensor) -> torch.Tensor:
+        self.builder_calls += 1
+        self.made.add(out.untyped_storage().data_ptr())
+        return out
+
+    def _converted(self, func, args, kwargs) -> torch.Tensor | None:
+        """tensor.float() / .to(dtype) and the like, born in the slot; None where torch should
+        make it (other arguments, no conversion, too few bytes)."""
+        if func is torch.Tensor.to:
+            given = dict(zip(("self", "dtype"), args), **kwargs)
+            if len(args) > 2 or set(given) != {"self", "dtype"}:
+                return None
+            dtype = given["dtype"]
+        elif len(args) == 1 and not kwargs:
+            dtype = _CONVERSIONS[func]
+        else:
+            return None
+        tensor = args[0]
+        if not isinstance(dtype, torch.dtype) or not self._source(tensor) or tensor.dtype == dtype:
+            return None  # (the same dtype: torch returns the tensor itself)
+        if tensor.numel() * dtype.itemsize < self.min_bytes:
+            return None
+        return self._made(empty_tensor(tensor.shape, dtype).copy_(tensor))
+
+    def _arithmetic_output(self, a, b, func) -> torch.Tensor | None:
+        """An `empty_tensor` for torch.add/sub/mul/div(a, b) to write into, of the result's dtype
+        and shape: `a` a contiguous tensor, `b` a number or a contiguous tensor of a's shape or
+        none (0-d); None otherwise."""
+        if not self._source(a) or a.dtype == torch.bool:
+            return None
+        if type(b) in (int, float):
+            pass
+        elif type(b) is not torch.Tensor or not self._source(b) or (b.dim() and b.shape != a.shape):
+            return None
+        dtype = torch.result_type(a, b)
+        if _ARITHMETIC[func] is torch.div and not (dtype.is_floating_point or dtype.is_complex):
+            dtype = torch.get_default_dtype()  # true division of integers
+        if dtype == torch.bool or a.numel() * dtype.itemsize < self.min_bytes:
+            return None
+        return self._made(empty_tensor(a.shape, dtype))
 
     def _resizable(self, tensor: torch.Tensor) -> None:
         """A tensor made here lies in a block of the slot, which cannot grow: before it is

@@ -160,7 +160,8 @@ ARENA_BLOCK_SLACK = 128
 ARENA_MARGIN = 128
 # NOTE [ A slot for the collate_fn's temporaries ]
 #   A numpy collate_fn often makes the batch in steps: `np.stack(images).astype(np.float32) / 255`
-#   stacks uint8 samples, converts them and divides.  The arena (csrc/arena.h) takes a freed top
+#   stacks uint8 samples, converts them and divides (torch's `.float() / 255` does the same in
+#   SlotTensorMode, arena.py).  The arena (csrc/arena.h) takes a freed top
 #   block back, so where each step's input is freed before the next array is made the result
 #   is born in a slot of the batch's size.  But `.astype` makes its result while np.stack's is
 #   alive: in a slot of the batch's size it does not fit, is made on the heap (mmapped afresh
@@ -839,7 +840,7 @@ class _Worker:
         the slot next time, or 0 (NOTE [ A slot for the collate_fn's temporaries ])."""
         ends = [offset for offset, _ in plan.leaves[1:]] + [plan.descriptor_offset]
         copied = sum(end - offset for (offset, leaf), end in zip(plan.leaves, ends)
-                     if type(leaf) is np.ndarray and end - offset >= ARENA_MIN_BYTES)
+                     if end - offset >= ARENA_MIN_BYTES and _numpy_memory(leaf))
         if not copied:
             return 0
         if wanted_end <= size:  # they had room and were not born there: a bigger slot is no help
@@ -935,6 +936,12 @@ class _Worker:
                                 end - layout.HEADER_BYTES)
         kept.release()
         return moved
+
+
+def _numpy_memory(leaf) -> bool:
+    """Whether `leaf`'s bytes came from numpy's allocator (an array, or a tensor over one, which
+    torch cannot resize): a larger arena could have held them."""
+    return type(leaf) is np.ndarray or (type(leaf) is torch.Tensor and not leaf.untyped_storage().resizable())
 
 
 class _Stopped(Exception):

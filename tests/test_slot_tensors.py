@@ -337,3 +337,104 @@ def test_a_tensor_built_in_the_slot_can_be_resized_as_torchs_can(collate_fn, dat
     own before resize_ / resize_as_, as torch's result has: torch's batches, no error."""
     shm, ref, stats = _both(dataset(), collate_fn)
     assert_same_batches(shm, ref)
+
+
+DTYPES = [torch.uint8, torch.int8, torch.int32, torch.int64, torch.float16, torch.bfloat16,
+          torch.float32, torch.float64, torch.complex64]
+
+
+def _raw(t: torch.Tensor) -> bytes:
+    return t.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+
+
+def _same(got, want, case) -> None:
+    if isinstance(want, Exception) or isinstance(got, Exception):
+        assert type(got) is type(want) and str(got) == str(want), case
+        return
+    assert (type(got), got.dtype, got.shape, got.stride()) == (type(want), want.dtype, want.shape, want.stride()), case
+    assert _raw(got) == _raw(want), case
+
+
+def _outcome(mode, fn):
+    try:
+        if mode is None:
+            return fn()
+        with mode:
+            return fn()
+    except (RuntimeError, TypeError) as exc:
+        return exc
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_conversions_and_arithmetic_in_the_mode_are_torchs_bit_for_bit(dtype):
+    """.float() / .half() / .double() / .bfloat16() / .to(dtype) and + - * / by numbers, 0-d
+    tensors and tensors of the same shape: torch's dtype (true division of integers, integer
+    overflow, type promotion), shape, strides and bytes, or torch's error."""
+    x = (torch.arange(4 * 6 * 5) * 37 % 251).view(4, 6, 5).to(dtype)
+    y = (torch.arange(4 * 6 * 5) % 7 + 1).view(4, 6, 5).to(dtype)
+    cases = {
+        "float": lambda: x.float(), "half": lambda: x.half(), "double": lambda: x.double(),
+        "bfloat16": lambda: x.bfloat16(), "to": lambda: x.to(torch.float32), "to_kw": lambda: x.to(dtype=torch.int16),
+        "div_int": lambda: x / 255, "div_float": lambda: x / 2.5, "mul_int": lambda: x * 3, "mul_float": lambda: x * 0.5,
+        "add": lambda: x + 200, "sub_float": lambda: x - 127.5, "sub_tensor": lambda: x - y, "div_tensor": lambda: x / y,
+        "mul_0d": lambda: x * torch.tensor(3.0), "torch_div": lambda: torch.div(x, 7), "torch_add": lambda: torch.add(x, y),
+        "method_sub": lambda: x.sub(1), "broadcast": lambda: x * y[0],
+    }
+    made = 0
+    for name, fn in cases.items():
+        mode = SlotTensorMode(0)
+        got, want = _outcome(mode, fn), _outcome(None, fn)
+        _same(got, want, (dtype, name))
+        made += mode.builder_calls
+    assert made > 0
+
+
+def test_what_the_mode_does_not_make_runs_as_torch_runs_it():
+    """The same dtype (torch returns the tensor itself), autograd, non-contiguous tensors,
+    keyword arguments (alpha, rounding_mode), a bool tensor: left to torch."""
+    x = torch.arange(12.0).view(3, 4)
+    grad = torch.ones(3, 4, requires_grad=True)
+    mode = SlotTensorMode(0)
+    with mode:
+        same = x.float()
+        to_same = x.to(torch.float32)
+        with_grad = grad * 2
+        transposed = x.t().half()
+        floor = torch.div(x, 3, rounding_mode="floor")
+        alpha = torch.sub(x, x, alpha=2)
+        flags = torch.ones(3, 4, dtype=torch.bool) * True
+    assert mode.builder_calls == 0 and not mode.made
+    assert same is x and to_same is x
+    assert with_grad.grad_fn is not None
+    assert transposed.stride() == x.t().half().stride()
+    assert torch.equal(floor, torch.div(x, 3, rounding_mode="floor")) and torch.equal(alpha, -x)
+    assert flags.dtype == (torch.ones(3, 4, dtype=torch.bool) * True).dtype
+
+
+class Pixels(Dataset):
+    def __len__(self):
+        return 48
+
+    def __getitem__(self, i):
+        return (torch.arange(ROW) * 7 + i).remainder(256).to(torch.uint8).view(64, 1024)
+
+
+def float_div(samples):
+    return torch.stack(samples).float() / 255
+
+
+def numpy_stack_to_float(samples):
+    return torch.from_numpy(np.stack([s.numpy() for s in samples])).float().div_(255)
+
+
+def half_scaled(samples):
+    return torch.stack(samples).half() * 2
+
+
+@pytest.mark.parametrize("collate_fn", [float_div, numpy_stack_to_float, half_scaled])
+def test_a_collate_that_converts_tensors_builds_the_batch_in_the_slot(collate_fn):
+    """Before, the converted batch was made by torch on the heap and copied (0 bytes in place)."""
+    shm, ref, stats = _both(Pixels(), collate_fn)
+    assert_same_batches(shm, ref)
+    copied = 2 + stats.ring_slots  # each worker's first batch, each slot's growth at most
+    assert stats.in_place_bytes >= (len(shm) - copied) * ref[0].nbytes, stats
