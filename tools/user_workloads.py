@@ -5,7 +5,9 @@ Not the bench's workloads (bench/workloads.py) but a check that the speed and me
 others: images in a dict with their labels, 3-D volumes with the default collate and with
 `np.stack`, audio clips of varying length padded by a numpy collate_fn, speech features padded
 by torch's `pad_sequence`, a feature matrix of (vector, label) pairs, and images in batches whose
-size varies from 8 to 128 (`images-buckets`, a size-bucketing batch sampler). Each sample is a fresh copy of an array from a small pool, as a decoder's
+size varies from 8 to 128 (`images-buckets`, a size-bucketing batch sampler), and images
+converted to float32 in [0, 1] by the collate_fn, in numpy (`images-to-float`) and in torch
+(`images-torch-float`). Each sample is a fresh copy of an array from a small pool, as a decoder's
 output is; the consumer reads every byte (a sum: in float64 for numpy arrays, in the tensor's
 own accumulation type for torch tensors, since torch's float64 sum of a 16 MiB float32 tensor
 leaves about 150 MB in its threads' malloc arenas, which would be counted as the loader's memory,
@@ -189,6 +191,18 @@ def stack_collate(samples):
     return np.stack(samples)
 
 
+def to_float_collate(samples):
+    """uint8 images to float32 inputs in [0, 1], as numpy pipelines write it: (images, labels)."""
+    images = np.stack([s["image"] for s in samples]).astype(np.float32) / 255
+    return images, np.array([s["label"] for s in samples], np.int64)
+
+
+def torch_to_float_collate(samples):
+    """The same in torch: stack, .float(), / 255."""
+    images = torch.stack([torch.from_numpy(s["image"]) for s in samples]).float() / 255
+    return images, torch.tensor([s["label"] for s in samples])
+
+
 WORKLOADS = {
     "images-w2": (Images, dict(batch_size=64, num_workers=2)),
     "images-w4": (Images, dict(batch_size=64, num_workers=4)),
@@ -198,6 +212,8 @@ WORKLOADS = {
     "speech-pad": (Speech, dict(batch_size=32, num_workers=2, collate_fn=pad_speech)),
     "features": (Features, dict(batch_size=1024, num_workers=2)),
     "images-buckets": (Images, dict(batch_sampler=SizeBuckets(), num_workers=4)),
+    "images-to-float": (Images, dict(batch_size=64, num_workers=2, collate_fn=to_float_collate)),
+    "images-torch-float": (Images, dict(batch_size=64, num_workers=2, collate_fn=torch_to_float_collate)),
 }
 
 
