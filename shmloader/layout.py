@@ -168,7 +168,7 @@ def _stack_tensors(batch, *, collate_fn_map=None):
         for t in batch
     )
     if not plain:  # torch's own semantics in a worker (stack into elem's dtype, its errors)
-        if elem.is_nested or elem.layout != torch.strided:  # torch's error, with its advice
+        if elem.is_nested or elem.layout != torch.strided or elem.device.type == "meta":  # torch's own
             return torch_private.TORCH_COLLATE_TENSOR(batch, collate_fn_map=collate_fn_map)
         sum(t.numel() for t in batch)  # torch's AttributeError for a sample that is no tensor
         return torch.stack(batch, 0, out=elem.new_empty((len(batch), *elem.shape)))

@@ -688,7 +688,7 @@ class _ShmLoaderIter(_PoolIter):
         for _ in range(self._num_workers):  # the next active worker, as torch picks it
             worker_id = next(self._worker_queue_idx_cycle)
             if self._workers_status[worker_id]:
-                if self._in_order:
+                if self._in_order or not torch_private.OUT_OF_ORDER_BY_CAPACITY:
                     break
                 if self._workers_num_tasks[worker_id] < max_tasks // sum(self._workers_status):
                     break

@@ -22,6 +22,7 @@ from torch.utils.data.dataloader import (
     _BaseDataLoaderIter,
     _DatasetKind,
     _InfiniteConstantSampler,
+    _MultiProcessingDataLoaderIter,
     _SingleProcessDataLoaderIter,
 )
 
@@ -29,6 +30,9 @@ BaseDataLoaderIter = _BaseDataLoaderIter  # the iterator shmloader's derives fro
 SingleProcessDataLoaderIter = _SingleProcessDataLoaderIter  # num_workers=0
 DatasetKind = _DatasetKind  # Map / Iterable, and create_fetcher
 InfiniteConstantSampler = _InfiniteConstantSampler  # the index sampler of an iterable dataset
+# in_order=False: torch after 2.6 gives a task to the next worker with room for it (it counts
+# `_workers_num_tasks`); torch 2.6 gives tasks round-robin, as with in_order=True.
+OUT_OF_ORDER_BY_CAPACITY = "_workers_num_tasks" in _MultiProcessingDataLoaderIter._try_put_index.__code__.co_names
 
 # The collate machinery: torch's `collate` with a handler map, as default_collate runs it.
 collate = _collate.collate

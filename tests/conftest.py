@@ -203,11 +203,23 @@ def leaks_since(before: Snapshot) -> list[str]:
     return problems
 
 
+def _reap_torch_workers() -> None:
+    """torch 2.6's DataLoader terminates a worker that did not join within 5 s and never joins
+    it (torch 2.13 does): it stays in multiprocessing's children, its pipes open.  Only torch's
+    own workers are reaped here, so a shmloader worker left unjoined still fails the test."""
+    import multiprocessing.process
+
+    for proc in list(multiprocessing.process._children):  # shmloader's are "shmloader-worker-N"
+        if not proc.name.startswith("shmloader-") and proc.exitcode is not None:
+            proc.join()
+
+
 def assert_no_leaks(before: Snapshot, timeout: float = LEAK_WAIT_SECONDS) -> None:
     """Collect garbage and wait (bounded) until nothing beyond `before` is held."""
 
     def clean() -> bool:
         gc.collect()
+        _reap_torch_workers()
         return not leaks_since(before)
 
     if not wait_until(clean, timeout, interval=0.1):

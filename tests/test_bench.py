@@ -465,6 +465,7 @@ def test_schema_accepts_a_good_document_and_names_what_is_wrong():
 
 @pytest.mark.timeout(60)
 def test_report_table_and_plots(tmp_path):
+    pytest.importorskip("matplotlib")  # the bench extra's (make test installs it)
     doc = _fake_doc()
     text = report.format_report(doc)
     assert "seed001 (large items" in text and "9.57x" in text  # 0.67 / 0.07 posted
@@ -643,6 +644,7 @@ def test_paced_points_keep_the_loop_waiting_and_report_the_cpu_ratio():
 
 @pytest.mark.timeout(120)
 def test_quick_runs_end_to_end(tmp_path):
+    pytest.importorskip("matplotlib")  # the bench extra's (make test installs it)
     before = shm_entries()
     proc = subprocess.run(
         [sys.executable, "-m", "bench", "--quick", "--out", str(tmp_path), "--no-progress"],

@@ -10,6 +10,7 @@ import signal
 import threading
 import time
 import typing
+import warnings
 
 import numpy as np
 import pytest
@@ -25,6 +26,7 @@ from shmloader import (
     SlotProtocolError,
     WorkerDiedError,
     protocol,
+    torch_private,
 )
 from shmloader.errors import RemoteTraceback
 from shmloader.ring import Ring
@@ -186,7 +188,9 @@ def test_a_collate_fn_that_does_not_pickle_raises_torchs_error_with_its_hint(met
     """Under spawn and forkserver the worker's arguments are pickled: torch's PicklingError, and
     torch's warning saying why and what to do (found by a new-user check: the hint was missing)."""
     def run(cls):
-        with pytest.warns(UserWarning, match="Got pickle error when attempting to start a worker Process") as caught:
+        hint = "Got pickle error when attempting to start a worker Process"
+        # (torch 2.6's own DataLoader gives no such hint)
+        with pytest.warns(UserWarning, match=hint) if cls is not DataLoader else warnings.catch_warnings(record=True) as caught:
             with pytest.raises(Exception) as info:
                 list(cls(ds.ArrayDataset(n=8), batch_size=2, num_workers=2,
                          multiprocessing_context=method, collate_fn=lambda batch: batch))
@@ -484,6 +488,8 @@ class SlowFirstSample(Dataset):
         return torch.tensor([i, get_worker_info().id])
 
 
+@pytest.mark.skipif(not torch_private.OUT_OF_ORDER_BY_CAPACITY,
+                    reason="torch 2.6 gives in_order=False tasks round-robin: no order to pin")
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("keep", [False, True])
 def test_out_of_order_schedules_tasks_as_torch_does(keep, tmp_path):
