@@ -35,6 +35,7 @@ _BUILDERS = frozenset({torch.stack, torch.cat, torch.concat, torch.concatenate})
 _PAD_SEQUENCE = torch._C._nn.pad_sequence  # what torch.nn.utils.rnn.pad_sequence calls
 _PAD_ARGUMENTS = ("sequences", "batch_first", "padding_value", "padding_side")
 _RESIZES = frozenset({torch.Tensor.resize_, torch.Tensor.resize_as_})
+_LARGEST_ITEMSIZE = 16  # complex128: a tensor of fewer elements makes no result of min_bytes
 _CONVERSIONS = {torch.Tensor.float: torch.float32, torch.Tensor.double: torch.float64,
                 torch.Tensor.half: torch.float16, torch.Tensor.bfloat16: torch.bfloat16}
 _ARITHMETIC = {f: op for op in (torch.add, torch.sub, torch.mul, torch.div)
@@ -125,6 +126,8 @@ class SlotTensorMode(TorchFunctionMode):
         else:
             return None
         tensor = args[0]
+        if type(tensor) is not torch.Tensor or tensor.numel() * _LARGEST_ITEMSIZE < self.min_bytes:
+            return None  # (cheap first: small tensors are the many)
         if not isinstance(dtype, torch.dtype) or not self._source(tensor) or tensor.dtype == dtype:
             return None  # (the same dtype: torch returns the tensor itself)
         if tensor.numel() * dtype.itemsize < self.min_bytes:
@@ -135,6 +138,8 @@ class SlotTensorMode(TorchFunctionMode):
         """An `empty_tensor` for torch.add/sub/mul/div(a, b) to write into, of the result's dtype
         and shape: `a` a contiguous tensor, `b` a number or a contiguous tensor of a's shape or
         none (0-d); None otherwise."""
+        if type(a) is not torch.Tensor or a.numel() * _LARGEST_ITEMSIZE < self.min_bytes:
+            return None  # (cheap first: small tensors are the many)
         if not self._source(a) or a.dtype == torch.bool:
             return None
         if type(b) in (int, float):
