@@ -298,6 +298,7 @@ class Ring:
         self._spares = SpareMaker(lambda capacity: create_segment(capacity, 0, "a spare ring slot", populate=False))
         self._spares_on = os.environ.get("SHMLOADER_SPARE_SLOTS", "1") != "0"  # NOTE [ Spare segments ]
         self._forked = False  # a fork of the user's since the last ring round
+        self._owner_pid = os.getpid()  # NOTE [ A process forked by the user ] in loader.py
         self._closed = False  # last: the __del__ of a half-made ring has nothing to close
         _RINGS.add(self)
         register_parent_only(self)
@@ -921,6 +922,10 @@ class Ring:
                 return
             self._closed = True
             _RINGS.discard(self)
+            if os.getpid() != self._owner_pid:  # a copy in a process the user forked: its fds only
+                self._spares.close_in_child()  # (no lock: the parent's thread may have held it)
+                self.close_in_child()
+                return
             self._spares.close()
             for slot, segment in enumerate(self._segments):
                 if segment is not None:
@@ -945,5 +950,8 @@ class Ring:
 
     def __del__(self) -> None:
         if not getattr(self, "_closed", True):
+            if os.getpid() != self._owner_pid:  # a forked copy's garbage: nothing was left open
+                self.close()
+                return
             warnings.warn(f"unclosed shmloader Ring of {len(self._segments)} slots", ResourceWarning, stacklevel=2)
             self.close()

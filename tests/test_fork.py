@@ -5,7 +5,10 @@ parent's workers, whether it iterates, calls next() on the parent's iterator, or
 from __future__ import annotations
 
 import os
+import signal
 import sys
+import threading
+import time
 
 import pytest
 import torch
@@ -84,6 +87,50 @@ def test_a_child_that_exits_through_the_garbage_collector_stops_none_of_the_pare
     assert _in_child(child) == 0
     assert all(p.is_alive() for p in loader._iterator._workers)
     assert len(list(loader)) == 10
+
+
+def test_a_child_drops_the_inherited_loader_though_a_thread_of_the_parent_held_a_lock_at_the_fork():
+    """A lock that a thread of the parent held at the fork (the ring's spare-segment maker) stays
+    held in the child, where that thread does not exist: dropping the inherited loader there must
+    not wait for it."""
+    loader = ShmDataLoader(DATA, batch_size=4, num_workers=2)
+    it = iter(loader)
+    first = next(it)
+    spares_lock = it._ring._spares._cond
+    held, release = threading.Event(), threading.Event()
+
+    def hold():
+        with spares_lock:
+            held.set()
+            release.wait(30)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    assert held.wait(10)
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            import gc
+
+            del it, first
+            gc.collect()  # the iterator, its ring (and the ring's spare maker) are collected here
+            code = 0
+        finally:
+            os._exit(code)
+    release.set()
+    holder.join()
+    deadline = time.monotonic() + 20
+    while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if done[0] == 0:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        pytest.fail("the forked child hung dropping the inherited loader")
+    assert os.waitstatus_to_exitcode(done[1]) == 0
+    rest = list(it)  # the parent's workers and ring are untouched
+    assert torch.equal(first, DATA[:4]) and len(rest) == 9 and torch.equal(rest[-1], DATA[36:])
+    del first, rest
 
 
 _EXITS_NORMALLY = """
