@@ -7,11 +7,13 @@ others: images in a dict with their labels, 3-D volumes with the default collate
 by torch's `pad_sequence`, a feature matrix of (vector, label) pairs, and images in batches whose
 size varies from 8 to 128 (`images-buckets`, a size-bucketing batch sampler), and images
 converted to float32 in [0, 1] by the collate_fn, in numpy (`images-to-float`) and in torch
-(`images-torch-float`). Each sample is a fresh copy of an array from a small pool, as a decoder's
-output is; the consumer reads every byte (a sum: in float64 for numpy arrays, in the tensor's
-own accumulation type for torch tensors, since torch's float64 sum of a 16 MiB float32 tensor
-leaves about 150 MB in its threads' malloc arenas, which would be counted as the loader's memory,
-more in some runs than in others). Per workload, 3 repeats, torch then shmloader in each
+(`images-torch-float`), and slices of a tensor the dataset holds in shared memory
+(`shared-slices`, the one workload where shmloader copies what torch does not). Each sample
+of the others is a fresh copy of an array from a small pool, as a decoder's output is; the
+consumer reads every byte (a sum: in float64 for numpy arrays, in the tensor's own accumulation
+type for torch tensors, since torch's float64 sum of a 16 MiB float32 tensor leaves about 150
+MB in its threads' malloc arenas, which would be counted as the loader's memory, more in some
+runs than in others). Per workload, 3 repeats, torch then shmloader in each
 (interleaved); each run times at least 2 s of batches after 5 untimed ones, in a fresh process of
 its own, so that no run's peak memory counts the heap an earlier one grew.
 
@@ -155,6 +157,25 @@ class Features(Dataset):
         return self.pool[i % 64].copy(), np.int64(i)
 
 
+class SharedSlices(Dataset):
+    """Contiguous 32 MiB slices (float32 (2048, 4096)) of a 512 MiB tensor the dataset put in
+    shared memory (`share_memory_()`, a preloaded table), `batch_size=None`: torch's workers send
+    a handle to that storage, shmloader's copy each slice into a slot (README, "API")."""
+
+    ROWS, CHUNKS = 2048, 16
+
+    def __init__(self):
+        generator = torch.Generator().manual_seed(0)
+        self.data = torch.rand(self.CHUNKS * self.ROWS, 4096, generator=generator).share_memory_()
+
+    def __len__(self):
+        return 1 << 20
+
+    def __getitem__(self, i):
+        j = i % self.CHUNKS
+        return self.data[j * self.ROWS:(j + 1) * self.ROWS]
+
+
 class SizeBuckets:
     """A batch sampler of batches whose sizes cycle through BUCKET_SIZES, as a sampler that groups
     samples by size (tokens, resolution) yields them: consecutive indices, endless."""
@@ -214,6 +235,7 @@ WORKLOADS = {
     "images-buckets": (Images, dict(batch_sampler=SizeBuckets(), num_workers=4)),
     "images-to-float": (Images, dict(batch_size=64, num_workers=2, collate_fn=to_float_collate)),
     "images-torch-float": (Images, dict(batch_size=64, num_workers=2, collate_fn=torch_to_float_collate)),
+    "shared-slices": (SharedSlices, dict(batch_size=None, num_workers=2)),
 }
 
 
