@@ -68,7 +68,7 @@ from multiprocessing.reduction import ForkingPickler
 import numpy as np
 import torch
 
-from . import _ring, torch_private
+from . import _ring, shared_views, torch_private
 from .errors import BatchShapeError, LayoutError, SlotProtocolError, safe_text
 
 HEADER_BYTES = _ring.HEADER_BYTES
@@ -355,7 +355,8 @@ class _Planner(pickle.Pickler):
     Everything else is pickled at the protocol torch's workers use (what a numpy array pickled
     whole comes back as depends on it)."""
 
-    def __init__(self, file, start: int, arena=None, shared: frozenset[int] = frozenset()):
+    def __init__(self, file, start: int, arena=None, shared: frozenset[int] = frozenset(),
+                 by_handle: bool = False):
         super().__init__(file, protocol=pickle.DEFAULT_PROTOCOL)
         self.leaves: list[tuple[int, object]] = []
         self.end = start
@@ -368,6 +369,11 @@ class _Planner(pickle.Pickler):
         self.storage_users: dict[int, list[int]] = {}
         self.shared = shared
         self.shared_pids: dict[int, tuple] = {}
+        # NOTE [ Views of a storage already in shared memory ] in shared_views.py: the storages
+        # sent by handle, (fd, bytes, the storage: kept, so the fd stays open), and their ids
+        self.by_handle = by_handle
+        self.handles: list[tuple[int, int, torch.UntypedStorage]] = []
+        self.handle_pids: dict[int, tuple] = {}
 
     def _in_slot(self, array: np.ndarray) -> int | None:
         """The slot offset of a contiguous array born in the arena, unless another leaf
@@ -431,6 +437,10 @@ class _Planner(pickle.Pickler):
             if obj.numel() == 0:  # no bytes: its strides, as torch's pickle keeps them
                 return ("e", obj.dtype, tuple(obj.shape), tuple(obj.stride()), obj.requires_grad)
             if not (obj.is_conj() or obj.is_neg()):
+                if self.by_handle:
+                    handled = self._handle(obj)
+                    if handled is not None:
+                        return handled
                 shared = self._shared_storage(obj)
                 if shared is not None:
                     return shared
@@ -493,6 +503,22 @@ class _Planner(pickle.Pickler):
         return ("w", storage_pid, tensor.dtype, tuple(tensor.shape), tuple(tensor.stride()),
                 tensor.storage_offset(), tensor.requires_grad)
 
+    def _handle(self, tensor: torch.Tensor):
+        """A "w" leaf on an "h" storage (the storage's fd goes with the batch) for a view of a
+        larger storage already in shared memory, else None (NOTE [ Views of a storage already in
+        shared memory ] in shared_views.py)."""
+        fd = shared_views.handle_fd(tensor)
+        if fd is None:
+            return None
+        storage = tensor.untyped_storage()
+        key = storage._cdata
+        storage_pid = self.handle_pids.get(key)
+        if storage_pid is None:
+            storage_pid = self.handle_pids[key] = ("h", len(self.handles), storage.nbytes())
+            self.handles.append((fd, storage.nbytes(), storage))
+        return ("w", storage_pid, tensor.dtype, tuple(tensor.shape), tuple(tensor.stride()),
+                tensor.storage_offset(), tensor.requires_grad)
+
     def shared_storages(self) -> frozenset[int]:
         """The storages to send whole: shared by two tensors or more, and no bigger than the
         bytes those tensors span (a batch of small slices of a dataset's big tensor copies the
@@ -542,11 +568,15 @@ class BatchPlan:
     descriptor_offset: int
     total_bytes: int  # the payload's end: the descriptor's last byte + 1
     in_place_bytes: int = 0  # array bytes already in the slot (born in the arena), not copied
+    # storages sent by handle, (fd, bytes, storage): NOTE [ Views of a storage already in shared
+    # memory ] in shared_views.py
+    handles: tuple[tuple[int, int, torch.UntypedStorage], ...] = ()
 
 
-def plan_batch(structure, arena=None) -> BatchPlan:
+def plan_batch(structure, arena=None, by_handle: bool = False) -> BatchPlan:
     """Lay out `structure` (leaves born in `arena`, a SlotArena over the slot it will be written
-    to, stay where they are; the rest go after the arena's blocks); raises LayoutError /
+    to, stay where they are; the rest go after the arena's blocks; with `by_handle`, views of a
+    larger storage in shared memory go by its fd: NOTE in shared_views.py); raises LayoutError /
     BatchShapeError naming the offending leaf's path."""
     start = align(max(HEADER_BYTES, arena.used_end if arena is not None else 0))
     kind = type(structure)
@@ -555,13 +585,13 @@ def plan_batch(structure, arena=None) -> BatchPlan:
         if plan is not None:
             return plan
     buffer = io.BytesIO()
-    planner = _Planner(buffer, start, arena)
+    planner = _Planner(buffer, start, arena, by_handle=by_handle)
     try:
         planner.dump(structure)
         shared = planner.shared_storages()
         if shared:  # tensors sharing a storage: again, with it sent whole (NOTE [ Tensors sharing ... ])
             buffer = io.BytesIO()
-            planner = _Planner(buffer, start, arena, shared)
+            planner = _Planner(buffer, start, arena, shared, by_handle)
             planner.dump(structure)
     except _Unsupported as exc:
         where = path_of(structure, exc.leaf)
@@ -576,7 +606,8 @@ def plan_batch(structure, arena=None) -> BatchPlan:
     descriptor = buffer.getvalue()
     descriptor_offset = align(planner.end)
     in_place = sum(end - offset for offset, end, _ in planner.in_place.values())
-    return BatchPlan(descriptor, planner.leaves, descriptor_offset, descriptor_offset + len(descriptor), in_place)
+    return BatchPlan(descriptor, planner.leaves, descriptor_offset, descriptor_offset + len(descriptor), in_place,
+                     tuple(planner.handles))
 
 
 # NOTE [ One-leaf batches ]
@@ -844,12 +875,13 @@ class _LeafReader:
     """Rebuilds one leaf from its persistent id: a view of the slot behind `lease` (a copy where
     it has at most `copy_upto` bytes), after checking that it lies within the payload."""
 
-    __slots__ = ("lease", "payload_end", "copy_upto", "loaded")
+    __slots__ = ("lease", "payload_end", "copy_upto", "loaded", "shared")
 
-    def __init__(self, lease: _ring.SlotLease, payload_end: int, copy_upto: int = 0):
+    def __init__(self, lease: _ring.SlotLease, payload_end: int, copy_upto: int = 0, shared: tuple = ()):
         self.lease = lease
         self.payload_end = payload_end
         self.copy_upto = copy_upto  # NOTE [ Small leaves are copies ]
+        self.shared = shared  # the storages the batch came with by handle (shared_views.py)
         self.loaded: dict[int, tuple[object, object]] = {}  # id(pid) -> (pid, the leaf)
 
     def load_once(self, pid):
@@ -951,6 +983,12 @@ class _LeafReader:
             if dtype is None:
                 return untyped
             return torch.storage.TypedStorage(wrap_storage=untyped, dtype=dtype, _internal=True)
+        if kind == "h":  # a storage already in shared memory, mapped from the fd sent with the batch
+            _, index, nbytes = pid
+            if type(index) is not int or not 0 <= index < len(self.shared) or self.shared[index].nbytes() != nbytes:
+                raise SlotProtocolError(f"a shared storage {index!r} of {nbytes!r} bytes in a slot descriptor; "
+                                        f"the batch came with {[s.nbytes() for s in self.shared]}")
+            return self.shared[index]
         if kind == "m":
             _, data, mask, fill_value = pid  # data and mask: "n" leaves, already loaded
             # numpy's _mareconstruct and MaskedArray.__setstate__, with the slot's views
@@ -966,13 +1004,15 @@ class _SlotUnpickler(pickle.Unpickler):
         self.persistent_load = reader.load_once
 
 
-def read_batch(lease: _ring.SlotLease, descriptor: bytes, payload_end: int, copy_upto: int = 0):
+def read_batch(lease: _ring.SlotLease, descriptor: bytes, payload_end: int, copy_upto: int = 0,
+               shared: tuple = ()):
     """Rebuild the batch from its descriptor, every array leaf a view that keeps `lease` alive,
-    but those of at most `copy_upto` bytes, copies (NOTE [ Small leaves are copies ])."""
+    but those of at most `copy_upto` bytes, copies (NOTE [ Small leaves are copies ]); `shared`:
+    the storages the batch came with by handle (NOTE in shared_views.py)."""
     pid = _ONE_LEAF_READS.get(descriptor)
     if pid is not None:  # NOTE [ Reading a one-leaf batch ]
         return _LeafReader(lease, payload_end, copy_upto).load(pid)
-    reader = _LeafReader(lease, payload_end, copy_upto)
+    reader = _LeafReader(lease, payload_end, copy_upto, shared)
     batch = _SlotUnpickler(descriptor, reader).load()
     torch_private.validate_loaded_sparse_tensors()
     loaded = list(reader.loaded.values())

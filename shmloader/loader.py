@@ -60,6 +60,7 @@ from .pool import Poller, WorkerPool
 from .protocol import End, Failed, Fatal, NoRoom, Ready, Resume, Resumed, State, Task
 from .ring import Ring, RingStats
 from .scheduler import ACROSS_EPOCHS_WAIT_MIN_SLOT_BYTES, WAIT_MIN_SLOT_BYTES, SlotScheduler
+from .shared_views import shared_views_enabled
 from .timing import BatchClock, timing_enabled
 from .worker import COLLATE_CONVERT, COLLATE_CUSTOM, COLLATE_INTO_SLOT, Shipped, WorkerSpec
 
@@ -596,6 +597,7 @@ class _ShmLoaderIter(_PoolIter):
                 collate_mode=mode, drop_last=self._drop_last, payload=payload,
                 main_pid=os.getpid(), forked=context.get_start_method() == "fork",
                 ring_depth=self._ring.depth, resume_state=self._resumable.worker_resume(worker_id),
+                shared_views=shared_views_enabled(self._pin_memory),
             )
 
         try:

@@ -8,7 +8,9 @@ version (a spawned interpreter that imports another shmloader) refuses to start,
 
     main ─▶ worker                               worker ─▶ main
     Hello(version, status bytes) + 2 fds         Ready(epoch, idx, slot, generation, capacity,
-    Task(epoch, idx, indices)                          in-place bytes, pages end) [+ fd of a new segment]
+    Task(epoch, idx, indices)                          in-place bytes, pages end, shared bytes)
+                                                       [+ fd of a new segment] [+ fd of each
+                                                       shared storage the batch views]
     Grant(slot, generation, capacity, hint,      Failed(epoch, idx, stage, exception payload)
           unreserved_from, trim)
           [+ fd the first time it sees it]       End(epoch, idx)           an iterable ran out
@@ -44,7 +46,7 @@ from . import _ring
 from .errors import SlotProtocolError
 from .timing import MAX_STAGES, STATUS_BLOCK_BYTES
 
-PROTOCOL_VERSION = 8  # 1: positional tuples (shmloader <= 0.x); 2: typed messages; 3: rows in place; 4: Kept rows' bytes; 5: NoRoom; 6: Grant's pages; 7: rows of the next epoch; 8: Learn's first index as a slice
+PROTOCOL_VERSION = 9  # 1: positional tuples (shmloader <= 0.x); 2: typed messages; 3: rows in place; 4: Kept rows' bytes; 5: NoRoom; 6: Grant's pages; 7: rows of the next epoch; 8: Learn's first index as a slice; 9: Ready's shared storages
 
 
 # -- main process -> worker ----------------------------------------------------------------------
@@ -106,7 +108,9 @@ class Ready(NamedTuple):
     """Batch `idx` is published in `slot` (fd: a segment this worker made for it, generation
     and capacity as given); `in_place` bytes were collated in the slot, not copied; the
     segment's pages end at `pages_end`, those past it given back (0: it has them all; NOTE [ A
-    slot's pages follow its batch ] in ring.py)."""
+    slot's pages follow its batch ] in ring.py); the last len(`shared_bytes`) fds are storages
+    already in shared memory that the batch views, of those sizes (NOTE [ Views of a storage
+    already in shared memory ] in shared_views.py)."""
     epoch: int
     idx: int
     slot: int
@@ -114,6 +118,7 @@ class Ready(NamedTuple):
     capacity: int
     in_place: int
     pages_end: int = 0
+    shared_bytes: tuple[int, ...] = ()
 
 
 class NoRoom(NamedTuple):

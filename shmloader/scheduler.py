@@ -96,9 +96,13 @@ NOTE [ Batches that wait for their turn ]
 
 from __future__ import annotations
 
+import os
+import weakref
+
 from . import layout
 from .protocol import Forget, Grant, NoRoom, Ready
 from .ring import CONSUMER_SLOTS, Ring
+from .shared_views import SharedStorages
 
 GRANTS_PER_WORKER = 2  # the slot being written + one to go on with (small slots only)
 # A grant to go on with saves a worker the round trip to the main process after each batch, but
@@ -152,6 +156,11 @@ class SlotScheduler:
         self._deferral = _Deferral(self)
         self._patient: frozenset[int] | set[int] = frozenset()  # during replenish(patient)
         self.in_place_bytes = 0  # array bytes workers did not copy (NOTE in worker.py)
+        # NOTE [ Views of a storage already in shared memory ] in shared_views.py: the storages
+        # mapped, and per slot the batch it holds and the storages that batch views (weakly: a
+        # spill needs them only while the batch lives)
+        self._shared = SharedStorages()
+        self._shared_of_slot: dict[int, tuple[int, tuple[weakref.ref, ...]]] = {}
 
     # -- what the iterator tells it --------------------------------------------------------------
 
@@ -172,6 +181,16 @@ class SlotScheduler:
         self.result_in(message.epoch, message.idx)
         self.in_place_bytes += message.in_place
         self._grants[worker_id].discard(slot)
+        shared = ()
+        if message.shared_bytes:  # the last fds: storages the batch views (NOTE in shared_views.py)
+            split = max(0, len(fds) - len(message.shared_bytes))
+            fds, shared_fds = fds[:split], fds[split:]
+            try:
+                shared = self._shared.adopt(shared_fds, message.shared_bytes)  # (closes shared_fds)
+            except BaseException:
+                for fd in fds:  # a segment made for a batch that cannot be read
+                    os.close(fd)
+                raise
         if fds:
             ring.adopt(slot, fds[0], message.capacity, message.generation)
             self._known_generation[worker_id][slot] = message.generation
@@ -182,7 +201,11 @@ class SlotScheduler:
         if not deliver:
             ring.unassign(slot)
             return None
-        return self.deliver(slot, message.idx)
+        if shared:
+            self._shared_of_slot[slot] = (message.idx, tuple(weakref.ref(storage) for storage in shared))
+        else:
+            self._shared_of_slot.pop(slot, None)
+        return self.deliver(slot, message.idx, shared=shared)
 
     def no_room(self, worker_id: int, message: NoRoom) -> None:
         """A worker found no room in /dev/shm for its granted slot's first segment and handed the
@@ -192,10 +215,11 @@ class SlotScheduler:
         self.ring.no_room(message.slot, message.generation, message.needed, message.free)
         self.grant_in_order()
 
-    def deliver(self, slot: int, idx: int, restore=None):
-        """Lease a READY slot holding batch `idx` and read the batch from it (views on the slot);
-        with `restore`, [(offset, bytes)], from a private copy of the slot with those bytes put
-        back (sample_parallel.py's kept rows), the slot free again at once."""
+    def deliver(self, slot: int, idx: int, restore=None, shared: tuple = ()):
+        """Lease a READY slot holding batch `idx` and read the batch from it (views on the slot,
+        and on the `shared` storages it came with); with `restore`, [(offset, bytes)], from a
+        private copy of the slot with those bytes put back (sample_parallel.py's kept rows), the
+        slot free again at once."""
         lease, descriptor, payload_end = self.ring.lease(slot, idx, self._release)
         if restore:
             private = bytearray(memoryview(lease)[:payload_end])
@@ -204,7 +228,7 @@ class SlotScheduler:
             return layout.read_batch(private, descriptor, payload_end)
         # small leaves as copies, that hold no slot; not pinned ones (NOTE in layout.py)
         copy_upto = layout.small_leaf_limit(self.ring.segment(slot).size) if self._pinner is None else 0
-        return layout.read_batch(lease, descriptor, payload_end, copy_upto)
+        return layout.read_batch(lease, descriptor, payload_end, copy_upto, shared)
 
     def fds_for(self, worker_id: int, slot: int) -> tuple[int, ...]:
         """The slot's fd if `worker_id` does not map its current generation yet (it will, once
@@ -337,11 +361,17 @@ class SlotScheduler:
         slots are page-locked (a copy would not be)."""
         if self._pinner is not None:
             return None
+        shared = ()
+        held = self._shared_of_slot.get(slot)
+        if held is not None and held[0] == idx:  # the storages its views keep alive
+            shared = tuple(ref() for ref in held[1])
+            if any(storage is None for storage in shared):
+                return None
         found = self.ring.copy_out(slot, generation, idx)
         if found is None:
             return None
         private, descriptor, payload_end = found
-        return layout.read_batch(private, descriptor, payload_end)
+        return layout.read_batch(private, descriptor, payload_end, 0, shared)
 
     @property
     def wakeup_fd(self) -> int:
@@ -349,4 +379,6 @@ class SlotScheduler:
         return self.ring.spare_wakeup_fd
 
     def close(self) -> None:
+        self._shared_of_slot.clear()
+        self._shared.clear()
         self.ring.close()

@@ -137,3 +137,22 @@ def fetch_each(fetcher, index, around_sample):
     if iterable and (not data or (fetcher.drop_last and len(data) < len(index))):
         raise StopIteration
     return fetcher.collate_fn(data)
+
+
+def shared_memory_fd(storage: torch.UntypedStorage) -> int | None:
+    """The fd of a CPU storage that lives in shared memory under torch's file_descriptor
+    strategy (`share_memory_()`, a tensor torch's own workers or queues shared), else None: a
+    heap storage, one shared under the file_system strategy, a file mapped by `from_file`."""
+    if not storage.is_shared():
+        return None
+    try:
+        fd = storage._get_shared_fd()
+    except (RuntimeError, AttributeError):
+        return None
+    return fd if fd >= 0 else None
+
+
+def storage_from_shared_fd(fd: int, nbytes: int) -> torch.UntypedStorage:
+    """A storage mapping the shared-memory file `fd` (`nbytes` long), as torch's unpickling of
+    a shared storage makes it; torch keeps a dup of `fd`, the caller closes its own."""
+    return torch.UntypedStorage._new_shared_fd_cpu(fd, nbytes)

@@ -263,6 +263,7 @@ class WorkerSpec:
     forked: bool
     ring_depth: int
     resume_state: Any = None  # this worker's part of a loaded state (NOTE [ Resuming mid-epoch ])
+    shared_views: bool = False  # NOTE [ Views of a storage already in shared memory ] in shared_views.py
 
 
 def exception_payload(exc: BaseException) -> tuple:
@@ -712,7 +713,7 @@ class _Worker:
                     batch = self.collate_fn(samples)
             del samples
             stage = self._enter(LAYING_OUT, idx)
-            plan = layout.plan_batch(batch, arena)
+            plan = layout.plan_batch(batch, arena, spec.shared_views)
             wanted_end = arena.wanted_end if arena is not None else 0
             if watched is not None or fetched_in_arena:
                 in_slot.learn(plan, watched, fetched_in_arena)
@@ -733,11 +734,11 @@ class _Worker:
                 # the arena keeps the guessed segment mapped for the arrays born in it
                 self.guess_padded = False  # it joins samples of several sizes after all
                 segment.close_fd()  # never sent
-                plan, sources_in_slot, segment, grown, in_arena = layout.plan_batch(batch), False, None, None, False
+                plan, sources_in_slot, segment, grown, in_arena = layout.plan_batch(batch, None, spec.shared_views), False, None, None, False
             if in_arena and plan.total_bytes > segment.size:
                 # The arena's blocks hold more than the batch (temporaries): lay the batch out
                 # from the slot's start instead, what lies in the slot copied out first.
-                plan, sources_in_slot = layout.plan_batch(batch), True
+                plan, sources_in_slot = layout.plan_batch(batch, None, spec.shared_views), True
             grow_to = 0
             if in_arena and not (guessed or fetched_in_arena) and self.arena_grows and plan.total_bytes <= segment.size:
                 grow_to = self._slot_for_temporaries(plan, wanted_end, segment.size)
@@ -756,7 +757,7 @@ class _Worker:
                     self.guess_fits = False
                 sources_in_slot = False  # a new segment: no source lies in it
                 if in_arena:  # a new segment gets every byte: nothing is in place there
-                    plan = layout.plan_batch(batch)
+                    plan = layout.plan_batch(batch, None, spec.shared_views)
                     in_arena = False
                 current = segment.size if segment is not None and not guessed else 0  # a guess is no size to grow from
                 needed = plan.total_bytes
@@ -785,6 +786,7 @@ class _Worker:
                 raise SlotProtocolError(f"worker {spec.worker_id} found slot {slot} in state {found}, not FREE")
             in_place = layout.write_batch(segment, plan) + plan.in_place_bytes
             published = (len(plan.descriptor), plan.total_bytes, plan.descriptor_offset)
+            handles = plan.handles  # kept, and their fds open, until sent (NOTE in shared_views.py)
             del batch, plan
             kept = 0
             if arena is not None:
@@ -800,12 +802,17 @@ class _Worker:
             pages_end = 0 if grown is not None else self._pages_after(segment, slot, granted, published[1])
             segment.publish(*published)
             grant = None  # handed back with the result
+            shared_bytes = tuple(nbytes for _, nbytes, _ in handles)
+            handle_fds = tuple(fd for fd, _, _ in handles)
             if grown is not None:
-                self.channel.send(Ready(epoch, idx, slot, generation, segment.size, in_place), (grown.fd,))
+                self.channel.send(Ready(epoch, idx, slot, generation, segment.size, in_place, 0, shared_bytes),
+                                  (grown.fd, *handle_fds))
                 grown.close_fd()
                 self.segments[slot] = (generation, grown)  # known to the main process only now
             else:
-                self.channel.send(Ready(epoch, idx, slot, generation, segment.size, in_place, pages_end))
+                self.channel.send(Ready(epoch, idx, slot, generation, segment.size, in_place, pages_end, shared_bytes),
+                                  handle_fds)
+            del handles
             if in_slot is not None:
                 in_slot.after_batch()  # (the heap memory it no longer needs: heap.py)
         except (ChannelClosed, BrokenPipeError, ConnectionResetError, _Stopped):

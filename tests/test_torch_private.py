@@ -106,3 +106,17 @@ def test_next_batch_keeps_torchs_profiler_range_and_length_warning():
     with pytest.warns(UserWarning, match="Length of IterableDataset"):
         got = [int(b) for b in shm]
     assert got == list(range(6))
+
+
+def test_a_shared_storage_fd_and_its_mapping():
+    """torch's private storage calls behind NOTE [ Views of a storage already in shared memory ]
+    (shared_views.py): the fd of a `share_memory_()` storage, none for a heap one, and a second
+    mapping of that fd that sees the same bytes."""
+    shared = torch.arange(1024, dtype=torch.float32).share_memory_()
+    fd = torch_private.shared_memory_fd(shared.untyped_storage())
+    assert fd is not None and fd >= 0
+    assert torch_private.shared_memory_fd(torch.zeros(8).untyped_storage()) is None
+    mapped = torch_private.storage_from_shared_fd(fd, shared.untyped_storage().nbytes())
+    view = torch.empty(0).set_(mapped, 10, (4,), (1,))
+    shared[10] = -1.0
+    assert view.tolist() == [-1.0, 11.0, 12.0, 13.0]
