@@ -15,11 +15,14 @@ import socket
 import struct
 from typing import Any
 
+from .errors import SlotProtocolError
 from .ownership import no_fork_meanwhile, register_parent_only
 from .protocol import decode, encode
 
 _FRAME = struct.Struct("<IB")
-_MAX_FDS = 4
+# The most fds one message carries: a slot's segment and the storages of a batch's views
+# (shared_views.MAX_STORAGES_PER_BATCH).  The receiver makes room for exactly these.
+MAX_FDS = 64
 
 
 class ChannelClosed(EOFError):
@@ -51,6 +54,8 @@ class Channel:
     def send(self, message, fds: tuple[int, ...] = ()) -> None:
         """Send one protocol message (and `fds` with it); while held, a message without fds
         waits for flush()."""
+        if len(fds) > MAX_FDS:
+            raise SlotProtocolError(f"a control message with {len(fds)} fds; the channel carries at most {MAX_FDS}")
         payload = pickle.dumps(encode(message), protocol=pickle.HIGHEST_PROTOCOL)
         frame = _FRAME.pack(len(payload), len(fds))
         if fds:
@@ -79,14 +84,17 @@ class Channel:
 
     def recv(self) -> tuple[Any, list[int]]:
         """The next message and the fds that came with it (the caller owns them; if no whole
-        message arrives, those that did are closed here)."""
+        message arrives, those that did are closed here).  A message whose fds did not all
+        arrive is read whole, so the next one is read from its start, and refused."""
         fds: list[int] = []
         try:
             frame = bytearray()
+            truncated = False
             while len(frame) < _FRAME.size:
-                data, ancillary, _flags, _addr = self.sock.recvmsg(
-                    _FRAME.size - len(frame), socket.CMSG_SPACE(_MAX_FDS * 4)
+                data, ancillary, flags, _addr = self.sock.recvmsg(
+                    _FRAME.size - len(frame), socket.CMSG_SPACE(MAX_FDS * 4)
                 )
+                truncated = truncated or bool(flags & socket.MSG_CTRUNC)
                 for level, kind, blob in ancillary:
                     if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
                         got = array.array("i")
@@ -96,8 +104,6 @@ class Channel:
                     raise ChannelClosed("the peer closed the control socket")
                 frame += data
             length, nfds = _FRAME.unpack(frame)
-            if nfds != len(fds):
-                raise ConnectionError(f"control message announced {nfds} fds, {len(fds)} arrived")
             payload = bytearray(length)
             view = memoryview(payload)
             received = 0
@@ -106,6 +112,9 @@ class Channel:
                 if n == 0:
                     raise ChannelClosed("the peer closed the control socket mid-message")
                 received += n
+            if nfds != len(fds) or truncated:
+                raise SlotProtocolError(f"a control message announced {nfds} fds and {len(fds)} arrived "
+                                        f"(this end takes at most {MAX_FDS})")
             message = decode(pickle.loads(payload))
         except BaseException:
             for fd in fds:

@@ -39,7 +39,9 @@ NOTE [ Tensors sharing a storage ]
   those bytes, it plans again with that storage sent whole (an "s" leaf: in place if born in the
   slot) and each tensor a "w" view on it; the unpickler builds the storage once.  A storage much
   bigger than its views (a dataset's tensor the collate_fn slices) is not sent whole: its views
-  come back as copies, and the slot holds no more than the bytes they span.
+  come back as copies, and the slot holds no more than the bytes they span; unless that storage
+  is in shared memory already, where the views go by its fd, as torch sends them ("w" views on
+  an "h" storage: NOTE [ Views of a storage already in shared memory ] in shared_views.py).
 
 NOTE [ One object, one leaf ]
   torch's pickle delivers an object that a batch holds twice (a collate_fn returning
@@ -514,6 +516,8 @@ class _Planner(pickle.Pickler):
         key = storage._cdata
         storage_pid = self.handle_pids.get(key)
         if storage_pid is None:
+            if len(self.handles) >= shared_views.MAX_STORAGES_PER_BATCH:
+                return None  # a message's fds are few: this storage's views are copied
             storage_pid = self.handle_pids[key] = ("h", len(self.handles), storage.nbytes())
             self.handles.append((fd, storage.nbytes(), storage))
         return ("w", storage_pid, tensor.dtype, tuple(tensor.shape), tuple(tensor.stride()),

@@ -22,6 +22,8 @@ NOTE [ Views of a storage already in shared memory ]
   * the view spans more than SHARED_VIEW_MIN_BYTES: a smaller one is copied (microseconds, and
     it holds no mapping of the dataset's storage while the loop keeps it, NOTE [ Small leaves
     are copies ] in layout.py);
+  * the batch views at most MAX_STORAGES_PER_BATCH such storages (each is an fd of the batch's
+    message); views of storages past those are copied;
   * pin_memory is off (a view of the dataset's memory is not page-locked; the slot is, and the
     copy into it is the one copy pinning costs anyway), and SHMLOADER_SHARED_VIEWS is not "0".
   As under torch, such a tensor is the dataset's memory: what the dataset (or the loop) writes
@@ -43,6 +45,9 @@ from . import torch_private
 from .errors import SlotProtocolError
 
 SHARED_VIEW_MIN_BYTES = 64 * 1024  # NOTE above: smaller views are copies, as small leaves are
+# The storages one batch sends by handle, each an fd of its Ready message (channel.MAX_FDS, with
+# a slot's segment); views of further storages are copied.
+MAX_STORAGES_PER_BATCH = 32
 
 
 def shared_views_enabled(pin_memory: bool) -> bool:
@@ -59,11 +64,12 @@ def span_bytes(tensor: torch.Tensor) -> int:
 def handle_fd(tensor: torch.Tensor) -> int | None:
     """The fd to send `tensor`'s storage by (NOTE above: a view of a larger storage in shared
     memory, spanning more than SHARED_VIEW_MIN_BYTES), or None: the tensor is copied."""
-    span = span_bytes(tensor)
-    if span <= SHARED_VIEW_MIN_BYTES:
-        return None
     storage = tensor.untyped_storage()
-    if storage.nbytes() <= span:
+    nbytes = storage.nbytes()
+    if nbytes <= SHARED_VIEW_MIN_BYTES or not storage.is_shared():  # most tensors: a microsecond
+        return None
+    span = span_bytes(tensor)
+    if span <= SHARED_VIEW_MIN_BYTES or nbytes <= span:
         return None
     return torch_private.shared_memory_fd(storage)
 

@@ -10,7 +10,8 @@ import socket
 
 import pytest
 
-from shmloader.channel import _FRAME, Channel, ChannelClosed
+from shmloader.channel import _FRAME, MAX_FDS, Channel, ChannelClosed
+from shmloader.errors import SlotProtocolError
 from shmloader.protocol import Grant
 
 pytestmark = [pytest.mark.timeout(30), pytest.mark.usefixtures("no_leaks")]
@@ -93,6 +94,30 @@ def test_held_messages_go_in_one_write_in_the_order_sent():
     assert [message.slot for message, _ in got] == [1, 2, 3, 4, 5]
     assert [len(fds) for _, fds in got] == [0, 0, 1, 0, 0]
     for fd in (r, w, *got[2][1]):
+        os.close(fd)
+    channel.close()
+    sender.close()
+
+
+def test_a_message_with_more_fds_than_the_channel_takes_is_refused_and_the_next_one_read():
+    """The kernel cuts off fds past the receiver's room: the message is refused with a clear
+    error and its fds closed, and it is read whole, so the next message is read from its start
+    (a check found the main process reading a payload as a frame and waiting forever)."""
+    channel, peer = Channel.pair()
+    sender = Channel(peer)
+    with pytest.raises(SlotProtocolError, match=f"at most {MAX_FDS}"):
+        sender.send(Grant(1, 2, 4096, 0), tuple(range(MAX_FDS + 1)))
+    r, w = os.pipe()
+    before = _open_fds()
+    payload = pickle.dumps(("a payload", 1))
+    _send_frame_with_fds(peer, len(payload), [r] * (MAX_FDS + 2))
+    peer.sendall(payload)
+    sender.send(Grant(3, 4, 8192, 0))
+    with pytest.raises(SlotProtocolError, match=f"announced {MAX_FDS + 2} fds"):
+        channel.recv()
+    assert _open_fds() == before
+    assert channel.recv() == (Grant(3, 4, 8192, 0), [])
+    for fd in (r, w):
         os.close(fd)
     channel.close()
     sender.close()

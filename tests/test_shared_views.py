@@ -20,7 +20,12 @@ from torch.utils.data import DataLoader, Dataset
 
 from shmloader import ShmDataLoader
 from shmloader.errors import SlotProtocolError
-from shmloader.shared_views import SHARED_VIEW_MIN_BYTES, SharedStorages, shared_views_enabled
+from shmloader.shared_views import (
+    MAX_STORAGES_PER_BATCH,
+    SHARED_VIEW_MIN_BYTES,
+    SharedStorages,
+    shared_views_enabled,
+)
 
 from ._helpers import assert_same
 from .conftest import open_fds
@@ -138,6 +143,32 @@ def test_a_storage_shared_under_the_file_system_strategy_is_copied():
     done = subprocess.run([sys.executable, "-c", _FILE_SYSTEM_SCRIPT], cwd=root, capture_output=True, text=True,
                           timeout=90)
     assert done.returncode == 0 and done.stdout.strip() == "copied", done.stderr[-2000:]
+
+
+class ManyStorages(Dataset):
+    """Item i: one 128 KiB slice of each of `storages` shared tensors of 256 KiB."""
+
+    def __init__(self, storages: int):
+        self.tensors = [torch.full((2, 32768), float(k)).share_memory_() for k in range(storages)]
+
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, i: int):
+        return [t[i % 2] for t in self.tensors]
+
+
+@pytest.mark.parametrize("storages", [5, MAX_STORAGES_PER_BATCH + 8])
+def test_a_batch_viewing_many_storages_sends_the_first_ones_and_copies_the_rest(storages):
+    """Each storage is an fd of the batch's message: past MAX_STORAGES_PER_BATCH its views are
+    copied (a check found 4 storages refused as a dead worker and 5 hanging the loop)."""
+    dataset = ManyStorages(storages)
+    got, want, _ = _both(dataset, timeout=60)
+    assert len(got) == len(want) == 4
+    for g, w in zip(got, want):
+        assert all(torch.equal(a, b) for a, b in zip(g, w)) and len(g) == storages
+        by_handle = [t.untyped_storage().nbytes() == 2 * t.numel() * 4 for t in g]
+        assert by_handle == [k < MAX_STORAGES_PER_BATCH for k in range(storages)]
 
 
 def test_held_views_outlive_the_loader_and_its_workers():
