@@ -855,3 +855,40 @@ def test_no_room_warns_only_once_no_other_first_slot_is_on_its_way(monkeypatch):
         assert len(fitted) == 1 and "room for 0 of the ring's 6 slots" in fitted[0], fitted
     finally:
         case.close()
+
+
+class _LateWithSharedViews(_FirstSampleLate):
+    """_FirstSampleLate's samples, each with a 128 KiB view of a 512 KiB tensor in shared memory
+    (sent by its fd: NOTE [ Views of a storage already in shared memory ] in shared_views.py)."""
+
+    def __init__(self, small: int, delays: tuple[float, ...]):
+        super().__init__(small, delays)
+        self.shared = torch.arange(4 * 32768, dtype=torch.float32).reshape(4, 32768).share_memory_()
+
+    def __getitem__(self, i: int):
+        return {"x": super().__getitem__(i), "view": self.shared[i % 4]}
+
+
+def _stack_x_keep_views(samples):
+    return {"x": np.stack([s["x"] for s in samples]), "views": [s["view"] for s in samples]}
+
+
+@pytest.mark.timeout(60)
+def test_a_batch_moved_out_of_its_slot_keeps_its_views_of_shared_storages(small_shm):
+    """The spill above, with batches that also view a storage already in shared memory: the
+    batch moved out of its slot is read again with the storages it came with, and its views
+    are still views of that storage, as torch's are."""
+    dataset = _LateWithSharedViews(MiB, (2.0, 0.15, 0.3, 0.45))
+    loader = ShmDataLoader(dataset, batch_size=2, num_workers=4, prefetch_factor=2,
+                           collate_fn=_stack_x_keep_views, multiprocessing_context="fork")
+    batches = iter(loader)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ShmCapacityWarning)
+        got = list(batches)
+    assert batches.stats().spilled_batches == 1, batches.stats()
+    assert len(got) == 32
+    for k, batch in enumerate(got):
+        assert np.array_equal(batch["x"], _stack_x_keep_views([dataset[2 * k + j] for j in range(2)])["x"])
+        for j, view in enumerate(batch["views"]):
+            assert torch.equal(view, dataset.shared[(2 * k + j) % 4])
+            assert view.untyped_storage().nbytes() == dataset.shared.untyped_storage().nbytes()
