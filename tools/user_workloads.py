@@ -8,7 +8,7 @@ by torch's `pad_sequence`, a feature matrix of (vector, label) pairs, and images
 size varies from 8 to 128 (`images-buckets`, a size-bucketing batch sampler), and images
 converted to float32 in [0, 1] by the collate_fn, in numpy (`images-to-float`) and in torch
 (`images-torch-float`), and slices of a tensor the dataset holds in shared memory
-(`shared-slices`, the one workload where shmloader copies what torch does not). Each sample
+(`shared-slices`: both loaders send each slice by a handle to that storage). Each sample
 of the others is a fresh copy of an array from a small pool, as a decoder's output is; the
 consumer reads every byte (a sum: in float64 for numpy arrays, in the tensor's own accumulation
 type for torch tensors, since torch's float64 sum of a 16 MiB float32 tensor leaves about 150
@@ -159,8 +159,9 @@ class Features(Dataset):
 
 class SharedSlices(Dataset):
     """Contiguous 32 MiB slices (float32 (2048, 4096)) of a 512 MiB tensor the dataset put in
-    shared memory (`share_memory_()`, a preloaded table), `batch_size=None`: torch's workers send
-    a handle to that storage, shmloader's copy each slice into a slot (README, "API")."""
+    shared memory (`share_memory_()`, a preloaded table), `batch_size=None`: the workers of both
+    loaders send a handle to that storage (shmloader's copied each slice into a slot up to
+    commit 20884c1; NOTE in shmloader/shared_views.py)."""
 
     ROWS, CHUNKS = 2048, 16
 
